@@ -1,0 +1,1 @@
+"""Temper Python SDK and the `temper` CLI."""

@@ -1,0 +1,1 @@
+"""Temper: RL post-training of LLMs as separately deployable services."""

@@ -1,0 +1,49 @@
+"""gRPC InferenceService: translates protobuf <-> engine objects, nothing more."""
+
+from __future__ import annotations
+
+from temper.inference.engine import HFEngine, SamplingParams
+from temper.inference.weights import WeightAssembler
+from temper.runtime.errors import reject_unknown_fields, require
+from temper.v1 import inference_pb2, inference_pb2_grpc
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
+    def __init__(self, engine: HFEngine, max_chunk_bytes: int, model_name: str):
+        self.engine = engine
+        self.max_chunk_bytes = max_chunk_bytes
+        self.model_name = model_name
+        # an update may not exceed twice the model's size (safetensors headers are small)
+        self.max_update_bytes = 2 * sum(p.numel() * p.element_size() for p in engine.model.parameters()) + (1 << 20)
+
+    def Generate(self, request, context):
+        reject_unknown_fields(request, "request")
+        prompts = []
+        for i, p in enumerate(request.prompts):
+            kind = p.WhichOneof("input")
+            require(kind is not None, f"prompts[{i}]", "set text or token_ids")
+            if kind == "text":
+                require(bool(p.text), f"prompts[{i}].text", "empty prompt")
+                prompts.append(self.engine.encode(p.text, p.apply_chat_template))
+            else:
+                prompts.append(list(p.token_ids.ids))
+        s = request.sampling
+        params = SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
+                                max_tokens=s.max_tokens, stop=list(s.stop),
+                                seed=s.seed if s.HasField("seed") else None)
+        results, version = self.engine.generate(prompts, params)
+        return inference_pb2.GenerateResponse(policy_version=version, results=[
+            inference_pb2.PromptResult(prompt_token_ids=r.prompt_token_ids, completions=[
+                inference_pb2.Completion(token_ids=c.token_ids, logprobs=c.logprobs, text=c.text,
+                                         finish_reason=c.finish_reason) for c in r.completions])
+            for r in results])
+
+    def UpdateWeights(self, request_iterator, context):
+        assembler = WeightAssembler.collect(request_iterator, self.max_chunk_bytes, self.max_update_bytes)
+        version = self.engine.apply_weights(assembler.tensors, assembler.new_version)
+        return inference_pb2.UpdateWeightsResponse(policy_version=version, tensors=len(assembler.tensors),
+                                                   bytes=assembler.bytes,
+                                                   apply_seconds=self.engine.last_apply_seconds)
+
+    def GetPolicyVersion(self, request, context):
+        return inference_pb2.PolicyVersion(policy_version=self.engine.policy_version, model=self.model_name)

@@ -1,0 +1,56 @@
+"""OpenTelemetry tracing, set up the same way in every service.
+
+Context crosses gRPC in metadata (the grpc instrumentation's interceptors) and Kafka in
+message headers (``inject_headers`` / ``extract_context``), with the W3C traceparent format.
+"""
+
+from __future__ import annotations
+
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
+
+_provider: TracerProvider | None = None
+
+
+def setup_tracing(service: str, trace_file: str = "", otlp_endpoint: str = "") -> TracerProvider:
+    """Install the process's tracer provider. Spans go to ``trace_file`` as JSON lines and/or OTLP."""
+    global _provider
+    provider = TracerProvider(resource=Resource.create({"service.name": f"temper-{service}"}))
+    if trace_file:
+        out = open(trace_file, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
+        provider.add_span_processor(SimpleSpanProcessor(
+            ConsoleSpanExporter(out=out, formatter=lambda span: span.to_json(indent=None) + "\n")))
+    if otlp_endpoint:
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        except ImportError as e:  # pragma: no cover - deployment option
+            raise RuntimeError("OTLP export needs: pip install opentelemetry-exporter-otlp-proto-grpc") from e
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True)))
+    trace.set_tracer_provider(provider)
+    _provider = provider
+    return provider
+
+
+def shutdown_tracing() -> None:
+    if _provider is not None:
+        _provider.shutdown()
+
+
+def tracer(name: str) -> trace.Tracer:
+    return trace.get_tracer(name)
+
+
+def inject_headers() -> list[tuple[str, bytes]]:
+    """The current trace context as Kafka headers."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return [(k, v.encode()) for k, v in carrier.items()]
+
+
+def extract_context(headers: list[tuple[str, bytes]] | None) -> otel_context.Context:
+    """The trace context carried by Kafka headers (an empty context if none)."""
+    carrier = {k: v.decode(errors="replace") for k, v in (headers or []) if v is not None}
+    return propagate.extract(carrier)

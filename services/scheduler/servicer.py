@@ -1,0 +1,43 @@
+"""gRPC SchedulerService: start, watch and stop jobs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from temper.runtime.errors import FailedPrecondition, NotFound, reject_unknown_fields
+from temper.scheduler.core import Job, JobSpec
+from temper.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
+    def __init__(self, make_job: Callable[[JobSpec], Job]):
+        self.make_job = make_job
+        self.jobs: dict[str, Job] = {}
+
+    def StartJob(self, request, context):
+        reject_unknown_fields(request, "spec")
+        spec = JobSpec.from_proto(request)
+        running = [j for j in self.jobs.values() if j.state == scheduler_pb2.JOB_STATE_RUNNING]
+        if running:
+            raise FailedPrecondition(f"job {running[0].spec.job_id} is still running", field="job_id")
+        if spec.job_id in self.jobs:
+            raise FailedPrecondition(f"job {spec.job_id} already ran; pick a new id", field="job_id")
+        job = self.jobs[spec.job_id] = self.make_job(spec).start()
+        return job.status()
+
+    def _job(self, job_id: str) -> Job:
+        if job_id not in self.jobs:
+            raise NotFound(f"no job {job_id!r}", field="job_id")
+        return self.jobs[job_id]
+
+    def GetJob(self, request, context):
+        return self._job(request.job_id).status()
+
+    def StopJob(self, request, context):
+        job = self._job(request.job_id)
+        job.stop()
+        return job.status()
+
+    def stop_all(self) -> None:
+        for job in self.jobs.values():
+            job.stop()
