@@ -3,6 +3,7 @@
   temper up [SERVICE ...]   start the broker and services (all by default); returns when healthy
   temper status             health and address of each process
   temper down               stop everything `up` started
+  temper restart SERVICE    stop one service and start it again (--kill: SIGKILL)
   temper run                up + the default job + report (runs/latest) + down
 """
 
@@ -45,6 +46,12 @@ def cmd_status(args) -> int:
 def cmd_down(args) -> int:
     stopped = _launcher(args).down()
     print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
+    return 0
+
+
+def cmd_restart(args) -> int:
+    p = _launcher(args).restart(args.service, kill=args.kill)
+    print(f"{p.name:<10} {p.address}  pid {p.pid}  SERVING")
     return 0
 
 
@@ -91,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--json", action="store_true")
     st.set_defaults(fn=cmd_status)
     sub.add_parser("down", help="stop everything `up` started").set_defaults(fn=cmd_down)
+    rs = sub.add_parser("restart", help="stop one service and start it again on the same address")
+    rs.add_argument("service", choices=SERVICES)
+    rs.add_argument("--kill", action="store_true", help="SIGKILL instead of a graceful SIGTERM")
+    rs.set_defaults(fn=cmd_restart)
     run = sub.add_parser("run", help="run the embedded default job")
     run.add_argument("--steps", type=int, default=0, help="override the job's steps")
     run.add_argument("--runs", default="runs", help="reports go to RUNS/<time>/ and RUNS/latest")

@@ -39,7 +39,6 @@ ALL_TOPICS = (ROLLOUTS, SCORED, METRICS, SANDBOX_TRACES, ALERTS)
 
 M = TypeVar("M", bound=Message)
 _log = get_logger(component="kafka")
-_tracer = trace.get_tracer("temper.kafka")
 
 
 def ensure_topics(bootstrap: str, topics: tuple[str, ...] = ALL_TOPICS, partitions: int = 1,
@@ -111,6 +110,7 @@ class ProtoConsumer:
         self._dlq = ProtoProducer(bootstrap, client_id=f"{group_id}-dlq")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"consume-{topic}", daemon=True)
+        self._tracer = trace.get_tracer("temper.kafka")
         self.handled = 0
         self.dead_lettered = 0
 
@@ -147,7 +147,7 @@ class ProtoConsumer:
             return True
         token = otel_context.attach(extract_context(record.headers))
         try:
-            with _tracer.start_as_current_span(f"consume {self.topic}", kind=trace.SpanKind.CONSUMER,
+            with self._tracer.start_as_current_span(f"consume {self.topic}", kind=trace.SpanKind.CONSUMER,
                                                attributes={"messaging.destination": self.topic,
                                                            "messaging.kafka.offset": record.offset}):
                 self._handler(message)

@@ -33,6 +33,7 @@ class Proc:
     address: str
     log: str
     metrics_port: int = -1
+    args: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -140,13 +141,44 @@ class Launcher:
                      "--groups-per-step", str(cfg.get("job", {}).get("prompts_per_step", 16))]
         if name == "scheduler":
             args += ["--inference-address", addresses["inference"]]
+        return self._start(Proc(name, 0, addresses[name], str(logs / f"{name}.log"), metrics_port, args))
+
+    @staticmethod
+    def _start(p: Proc) -> Proc:
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-        log_path = logs / f"{name}.log"
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        with open(p.log, "ab") as log:
+            proc = subprocess.Popen(p.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True, env=env)
-        return Proc(name, proc.pid, addresses[name], str(log_path), metrics_port)
+        p.pid = proc.pid
+        return p
+
+    def _service(self, name: str) -> tuple[State, Proc]:
+        state = self.load()
+        if state is None or name not in state.services:
+            raise RuntimeError(f"{name} is not up in {self.home}")
+        return state, state.services[name]
+
+    def stop_service(self, name: str, kill: bool = False) -> None:
+        """Stop one service (SIGTERM with a grace period, or SIGKILL); it stays in the state file."""
+        _, p = self._service(name)
+        if kill:
+            _signal(p.pid, signal.SIGKILL)
+        _terminate([p], grace=15.0)
+
+    def start_service(self, name: str, timeout: float = 60.0) -> Proc:
+        """Start a stopped service again with the same address and arguments."""
+        state, p = self._service(name)
+        if pid_alive(p.pid):
+            raise RuntimeError(f"{name} is still running (pid {p.pid})")
+        state.services[name] = self._start(p)
+        self._save(state)
+        self._wait_healthy(State(state.home, state.config, state.broker, {name: p}), timeout)
+        return p
+
+    def restart(self, name: str, timeout: float = 60.0, kill: bool = False) -> Proc:
+        self.stop_service(name, kill=kill)
+        return self.start_service(name, timeout)
 
     def _wait_healthy(self, state: State, timeout: float) -> None:
         deadline = time.monotonic() + timeout

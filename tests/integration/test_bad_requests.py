@@ -1,0 +1,128 @@
+"""Malformed or out-of-range requests to every implemented method: INVALID_ARGUMENT naming the
+field (or the documented status), and the service keeps serving."""
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from temper.client.sdk import (
+    InferenceClient,
+    LearnerClient,
+    MonitorClient,
+    ReplayClient,
+    RewardClient,
+    SchedulerClient,
+)
+from temper.inference.weights import chunks_from_tensors
+from temper.runtime.rpc import check_health
+from temper.v1 import common_pb2, inference_pb2, learner_pb2, replay_pb2, reward_pb2, scheduler_pb2
+from tests.unit.test_replay_store import group as replay_group
+
+
+def expect(code, field, call, *args, **kwargs):
+    with pytest.raises(grpc.RpcError) as e:
+        call(*args, **kwargs)
+    assert e.value.code() == code, e.value.details()
+    if field:
+        assert field in e.value.details(), e.value.details()
+    return e.value
+
+
+def clients(stack):
+    s = stack.load().services
+    return {n: s[n].address for n in s}
+
+
+def test_inference(stack):
+    addr = clients(stack)["inference"]
+    c = InferenceClient(addr)
+    IA = grpc.StatusCode.INVALID_ARGUMENT
+    expect(IA, "prompts", c.generate, [])
+    expect(IA, "sampling.n", c.generate, ["copy 1 2 3"], n=0)
+    expect(IA, "sampling.max_tokens", c.generate, ["copy 1 2 3"], max_tokens=0)
+    expect(IA, "sampling.max_tokens", c.generate, ["copy 1 2 3"], max_tokens=1_000_000)
+    expect(IA, "prompts[0]", c.generate, ["copy 1 2 3 " * 60], max_tokens=8)
+    expect(IA, "prompts[1].text", c.generate, ["copy 1", ""])
+    expect(IA, "sampling.temperature", c.generate, ["copy 1"], temperature=-1)
+    expect(IA, "prompts[0].token_ids", c.generate, [[99999]])
+    # a sampling field this server does not know (field 99 on SamplingParams) is refused, not ignored
+    req = inference_pb2.GenerateRequest(prompts=[inference_pb2.Prompt(text="copy 1")],
+                                        sampling=inference_pb2.SamplingParams(n=1, max_tokens=1))
+    raw = req.SerializeToString() + bytes([0x12, 0x03, 0x98, 0x06, 0x01])  # field 2 (sampling) += {99: 1}
+    rpc = grpc.insecure_channel(addr).unary_unary("/temper.v1.InferenceService/Generate",
+                                                  request_serializer=lambda b: b,
+                                                  response_deserializer=inference_pb2.GenerateResponse.FromString)
+    expect(IA, "request.sampling", rpc, raw, timeout=10)
+    # weight updates: bad checksum, missing tensor, misshapen tensor; the old version keeps serving
+    version = c.policy_version()
+    args = stack.load().services["inference"].args
+    model = AutoModelForCausalLM.from_pretrained(args[args.index("--model-dir") + 1])
+    good = {n: p.detach() for n, p in model.named_parameters()}
+    name = next(iter(good))
+    bad_sum = list(chunks_from_tensors(good))
+    bad_sum[0].sha256 = "0" * 64
+    expect(IA, f"tensor {name}", c.stub.UpdateWeights, iter(bad_sum), timeout=30)
+    expect(IA, f"tensor {name}", c.update_weights, {k: v for k, v in good.items() if k != name})
+    expect(IA, f"tensor {name}", c.update_weights, {**good, name: torch.zeros(2, 2)})
+    expect(IA, "tensor", c.update_weights, {**good, "extra.weight": torch.zeros(2)})
+    assert c.policy_version() == version
+    assert len(c.generate(["copy 1 2 3"], n=2, max_tokens=2).results[0].completions) == 2
+    assert check_health(addr) == "SERVING"
+
+
+def test_reward(stack):
+    addr = clients(stack)["reward"]
+    c = RewardClient(addr)
+    IA = grpc.StatusCode.INVALID_ARGUMENT
+    expect(IA, "group", c.stub.Score, reward_pb2.ScoreRequest(), timeout=10)
+    g = common_pb2.RolloutGroup(group_id="g", task=common_pb2.Task(domain="nope", reference_answer="1"),
+                                trajectories=[common_pb2.Trajectory(completion_text="1")])
+    expect(IA, "group.task.domain", c.score, g)
+    g.task.domain, g.task.reference_answer = "toy.copy", ""
+    expect(IA, "group.task.reference_answer", c.score, g)
+    g.task.reference_answer = "1"
+    assert c.score(g).trajectories[0].reward.total == 1.0
+    assert check_health(addr) == "SERVING"
+
+
+def test_replay(stack):
+    addr = clients(stack)["replay"]
+    c = ReplayClient(addr)
+    IA = grpc.StatusCode.INVALID_ARGUMENT
+    expect(IA, "table", c.sample, 1, table="nope", timeout_ms=0)
+    expect(IA, "batch_size", c.sample, 0, timeout_ms=0)
+    expect(IA, "batch_size", c.sample, -3, timeout_ms=0)
+    expect(IA, "timeout_ms", c.sample, 1, timeout_ms=-1)
+    expect(IA, "table", c.stats, "nope")
+    bad = replay_group("bad")
+    bad.trajectories[0].completion_logprobs.append(-1.0)
+    expect(IA, "group.trajectories[0].completion_logprobs", c.insert, [bad])
+    expect(IA, "requests[0].group", c.stub.Insert, iter([replay_pb2.InsertRequest(table="default")]), timeout=10)
+    expect(grpc.StatusCode.UNIMPLEMENTED, "", c.stub.UpdatePriorities, replay_pb2.UpdatePrioritiesRequest(), timeout=10)
+    assert c.stats().table == "default"
+    assert check_health(addr) == "SERVING"
+
+
+def test_scheduler(stack):
+    addr = clients(stack)["scheduler"]
+    c = SchedulerClient(addr)
+    IA = grpc.StatusCode.INVALID_ARGUMENT
+    ok = dict(steps=1, prompts_per_step=1, group_size=1, temperature=1.0, max_tokens=1)
+    for field, value in [("steps", 0), ("prompts_per_step", -1), ("group_size", 0), ("temperature", 0.0),
+                         ("max_tokens", 0), ("max_policy_lag", -1)]:
+        expect(IA, field, c.start_job, scheduler_pb2.JobSpec(**{**ok, field: value}))
+    expect(IA, "domains", c.start_job, scheduler_pb2.JobSpec(**ok, domains=["nope"]))
+    expect(grpc.StatusCode.NOT_FOUND, "job_id", c.job, "no-such-job")
+    assert check_health(addr) == "SERVING"
+
+
+def test_learner_and_monitor(stack):
+    addrs = clients(stack)
+    status = LearnerClient(addrs["learner"]).status()
+    assert status.algorithm == "grpo+ppo_clip"
+    expect(grpc.StatusCode.UNIMPLEMENTED, "", LearnerClient(addrs["learner"]).stub.Checkpoint,
+           learner_pb2.CheckpointRequest(), timeout=10)
+    MonitorClient(addrs["monitor"]).reward_curve("no-such-domain")  # empty, not an error
+    for name, addr in addrs.items():
+        assert check_health(addr) == "SERVING", name

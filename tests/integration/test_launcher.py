@@ -1,0 +1,62 @@
+"""`temper up` / `status` / `down` as a user runs them: real processes, real health checks."""
+
+import json
+import os
+import subprocess
+import sys
+
+from temper.runtime.launcher import SERVICES, pid_alive
+
+TEMPER = [sys.executable, "-m", "temper.client.cli"]
+
+
+def _temper(home, *args, check=True):
+    return subprocess.run([*TEMPER, "--home", str(home), *args], capture_output=True, text=True, timeout=300,
+                          check=check)
+
+
+def _sessions_alive(pids: list[int]) -> list[str]:
+    """Processes still in any of the sessions the launcher created (each service leads one)."""
+    left = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[3]) in pids and fields[0] != "Z":  # fields[3] = session id
+                    left.append(entry)
+            except (OSError, IndexError):
+                pass
+    return left
+
+
+def test_up_status_down_leaves_nothing(tmp_path):
+    up = _temper(tmp_path, "up")
+    assert up.returncode == 0, up.stderr
+    rows = json.loads(_temper(tmp_path, "status", "--json").stdout)
+    assert {r["name"] for r in rows} == {"broker", *SERVICES}
+    assert all(r["health"] in ("SERVING", "RUNNING") for r in rows), rows
+    assert _temper(tmp_path, "status").returncode == 0
+    again = _temper(tmp_path, "up", check=False)  # a second `up` refuses, and harms nothing
+    assert again.returncode == 1 and "already up" in again.stderr
+    pids = [r["pid"] for r in rows]
+    down = _temper(tmp_path, "down")
+    assert "stopped" in down.stdout
+    assert not [p for p in pids if pid_alive(p)]
+    assert not _sessions_alive(pids)
+    assert _temper(tmp_path, "status", check=False).returncode == 1  # "nothing is up"
+
+
+def test_up_named_services_only(tmp_path):
+    assert _temper(tmp_path, "up", "replay", "reward").returncode == 0
+    rows = json.loads(_temper(tmp_path, "status", "--json").stdout)
+    assert {r["name"] for r in rows} == {"broker", "replay", "reward"}
+    pids = [r["pid"] for r in rows]
+    _temper(tmp_path, "down")
+    assert not [p for p in pids if pid_alive(p)]
+
+
+def test_unknown_service_is_refused(tmp_path):
+    r = _temper(tmp_path, "up", "nope", check=False)
+    assert r.returncode != 0 and "nope" in r.stderr
+    assert not (tmp_path / "state.json").exists()
