@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> None:
         monitor_pb2_grpc.add_MonitorServiceServicer_to_server(MonitorServicer(curves), server)
         return [monitor_pb2.DESCRIPTOR.services_by_name["MonitorService"].full_name]
 
-    serve(config, Service("monitor", register, on_start=on_start, on_stop=on_stop))
+    serve(config, Service("monitor", register, on_start=on_start, on_stop=on_stop,
+                          checks=[lambda: state["consumer"].alive]))
 
 
 if __name__ == "__main__":

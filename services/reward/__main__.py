@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> None:
         reward_pb2_grpc.add_RewardServiceServicer_to_server(RewardServicer(), server)
         return [reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name]
 
-    serve(config, Service("reward", register, on_start=on_start, on_stop=on_stop))
+    serve(config, Service("reward", register, on_start=on_start, on_stop=on_stop,
+                          checks=[lambda: state["consumer"].alive]))
 
 
 if __name__ == "__main__":

@@ -94,6 +94,8 @@ class Service:
     register: Callable[[grpc.Server], Iterable[str]]  # adds servicers, returns full service names
     on_start: Callable[[], None] | None = None  # after the port is bound (start consumers, loops)
     on_stop: Callable[[], None] | None = None  # after the server drained (stop consumers, flush)
+    # liveness of background work (consumer threads, loops): any False -> NOT_SERVING until True again
+    checks: list[Callable[[], bool]] = field(default_factory=list)
     stop_event: threading.Event = field(default_factory=threading.Event)
 
 
@@ -141,7 +143,15 @@ def serve(config: ServiceConfig, service: Service) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    service.stop_event.wait()
+    serving = True
+    while not service.stop_event.wait(1.0):
+        ok = all(check() for check in service.checks)
+        if ok != serving:
+            serving = ok
+            log.warning("health changed", serving=ok)
+            status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+            for n in health_names:
+                health_servicer.set(n, status)
     health_servicer.enter_graceful_shutdown()
     server.stop(config.grace_seconds).wait()
     if service.on_stop:
