@@ -126,3 +126,16 @@ def test_learner_and_monitor(stack):
     MonitorClient(addrs["monitor"]).reward_curve("no-such-domain")  # empty, not an error
     for name, addr in addrs.items():
         assert check_health(addr) == "SERVING", name
+
+
+def test_errors_are_counted_on_the_metrics_endpoint(stack):
+    import urllib.request
+
+    state = stack.load()
+    c = ReplayClient(state.services["replay"].address)
+    expect(grpc.StatusCode.INVALID_ARGUMENT, "table", c.stats, "nope")
+    port = state.services["replay"].metrics_port
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    line = [x for x in body.splitlines() if x.startswith("temper_rpc_errors_total{")
+            and "ReplayService/Stats" in x and "INVALID_ARGUMENT" in x]
+    assert line and float(line[0].rsplit(" ", 1)[1]) >= 1.0
