@@ -25,8 +25,9 @@ def main(argv: list[str] | None = None) -> None:
     state: dict = {}
 
     def make_job(spec: JobSpec) -> Job:
-        def generate(prompts, s: JobSpec):
-            return inference.generate(prompts, n=s.group_size, temperature=s.temperature, max_tokens=s.max_tokens)
+        def generate(prompts, s: JobSpec, seed: int):
+            return inference.generate(prompts, n=s.group_size, temperature=s.temperature, max_tokens=s.max_tokens,
+                                      seed=seed)
 
         def publish(group):
             state["producer"].send(kafka.ROLLOUTS, group.group_id, group).get(config.publish_timeout_seconds)

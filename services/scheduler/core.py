@@ -69,11 +69,11 @@ class JobSpec:
 class Job:
     """Runs one job on a thread of its own.
 
-    ``generate(prompts, spec) -> GenerateResponse`` calls inference; ``publish(group)`` returns once
+    ``generate(prompts, spec, seed) -> GenerateResponse`` calls inference; ``publish(group)`` returns once
     the group is durably in the `rollouts` topic; ``policy_version()`` reads the serving version.
     """
 
-    def __init__(self, spec: JobSpec, generate: Callable[[list[str], JobSpec], inference_pb2.GenerateResponse],
+    def __init__(self, spec: JobSpec, generate: Callable[[list[str], JobSpec, int], inference_pb2.GenerateResponse],
                  publish: Callable[[common_pb2.RolloutGroup], None], policy_version: Callable[[], int]):
         self.spec = spec
         self._generate = generate
@@ -129,7 +129,8 @@ class Job:
                                                                                "temper.step": step}):
             tasks = [toy.make_task(self._rng.choice(spec.domains), self._rng, f"{spec.job_id}/s{step}/p{i}")
                      for i in range(spec.prompts_per_step)]
-            response = self._generate([t.prompt for t in tasks], spec)
+            # a seed per step: a job's sampling is reproducible given the weights
+            response = self._generate([t.prompt for t in tasks], spec, spec.seed * 1_000_003 + step)
             for i, (task, result) in enumerate(zip(tasks, response.results)):
                 group_id = f"{spec.job_id}/s{step}/p{i}"
                 group = common_pb2.RolloutGroup(
