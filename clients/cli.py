@@ -5,6 +5,8 @@
   temper down               stop everything `up` started
   temper restart SERVICE    stop one service and start it again (--kill: SIGKILL)
   temper run                up + the default job + report (runs/latest) + down
+  temper sandbox exec FILE  run FILE in the gVisor sandbox; prints the verdict as JSON ("status")
+  temper sandbox test PROGRAM TESTFILE   run PROGRAM against the tests in TESTFILE
 """
 
 from __future__ import annotations
@@ -85,6 +87,107 @@ def cmd_run(args) -> int:
     return 0
 
 
+# -- temper sandbox: through the running sandbox service, else in-process ---------------------------
+def _sandbox_call(args, method: str, request):
+    """(response, via): the sandbox service of `temper up` if it is up, else this machine's runsc in-process."""
+    import grpc
+
+    from temper.runtime.errors import TemperError
+    from temper.runtime.rpc import check_health
+
+    state = _launcher(args).load()
+    proc = state.services.get("sandbox") if state else None
+    try:
+        if proc is not None and check_health(proc.address) == "SERVING":
+            from temper.client.sdk import SandboxClient
+
+            with SandboxClient(proc.address) as client:
+                timeout = 60 + (request.limits.wall_seconds if method == "Execute" else 10 * len(request.tests))
+                return getattr(client.stub, method)(request, timeout=timeout), f"service {proc.address}"
+        from temper.runtime.config import load_config
+        from temper.sandbox.config import SandboxConfig, build_executor
+        from temper.sandbox.servicer import SandboxServicer
+
+        config = load_config(SandboxConfig, ["--config", str(_launcher(args).config_path),
+                                             "--data-dir", str(Path(args.home) / "data" / "sandbox-cli")])
+        executor, pool = build_executor(config, pool_size=0)  # one cold sandbox per call
+        try:
+            return getattr(SandboxServicer(executor), method)(request, None), "in-process"
+        finally:
+            pool.close()
+    except TemperError as e:
+        raise ValueError(str(e)) from None
+    except grpc.RpcError as e:
+        raise RuntimeError(f"sandbox service: {e.code().name}: {e.details()}") from None
+
+
+def _sandbox_program(args, path: str, stdin: bytes = b""):
+    from temper.client.sdk import SandboxClient
+    from temper.runtime.config import load_config
+    from temper.sandbox.config import SandboxConfig
+
+    language = args.language
+    if not language:
+        presets = load_config(SandboxConfig, ["--config", str(_launcher(args).config_path)]).language_presets()
+        suffix = Path(path).suffix
+        language = next((name for name, lang in presets.items() if suffix in lang.extensions), "")
+        if not language:
+            raise ValueError(f"cannot tell the language of {path}; pass --language")
+    return SandboxClient.request(Path(path).read_bytes(), language, stdin=stdin, wall_seconds=args.timeout,
+                                 memory_mb=args.memory_mb)
+
+
+def _sandbox_result(r) -> dict:
+    from temper.v1 import sandbox_pb2
+
+    return {"status": sandbox_pb2.Verdict.Name(r.verdict), "message": r.message, "exit_code": r.exit_code,
+            "signal": r.signal, "stdout": r.stdout.decode(errors="replace"), "stderr": r.stderr.decode(errors="replace"),
+            "output_truncated": r.output_truncated, "wall_seconds": round(r.wall_seconds, 4),
+            "cpu_seconds": round(r.cpu_seconds, 4), "peak_memory_bytes": r.peak_memory_bytes}
+
+
+def cmd_sandbox_exec(args) -> int:
+    stdin = Path(args.stdin).read_bytes() if args.stdin else b""
+    resp, via = _sandbox_call(args, "Execute", _sandbox_program(args, args.file, stdin))
+    out = {**_sandbox_result(resp), "via": via}
+    print(json.dumps(out, indent=2))
+    return 0 if out["status"] == "OK" else 1
+
+
+def _load_tests(path: Path) -> list:
+    """A .json list (or {"tests": [...]}) / .jsonl of {stdin, expected_stdout} or {assertion_script}
+    objects; any other file is one Python assertion script."""
+    from temper.v1 import sandbox_pb2
+
+    text = path.read_text()
+    if path.suffix == ".json":
+        raw = json.loads(text)
+        raw = raw["tests"] if isinstance(raw, dict) else raw
+    elif path.suffix == ".jsonl":
+        raw = [json.loads(line) for line in text.splitlines() if line.strip()]
+    else:
+        return [sandbox_pb2.TestCase(assertion_script=text)]
+    return [sandbox_pb2.TestCase(stdin=t.get("stdin", "").encode(), expected_stdout=t.get("expected_stdout", "").encode(),
+                                 assertion_script=t.get("assertion_script", "")) for t in raw]
+
+
+def cmd_sandbox_test(args) -> int:
+    from temper.v1 import sandbox_pb2
+
+    tests = _load_tests(Path(args.testfile))
+    request = sandbox_pb2.RunTestsRequest(program=_sandbox_program(args, args.program), tests=tests,
+                                          stop_on_first_failure=args.stop_on_first_failure)
+    resp, via = _sandbox_call(args, "RunTests", request)
+    results = [_sandbox_result(r) for r in resp.results]
+    compiled = sandbox_pb2.Verdict.Name(resp.compile_verdict)
+    status = compiled if compiled != "OK" else next((r["status"] for r in results if r["status"] != "OK"), "OK")
+    out = {"status": status, "passed": resp.passed, "total": len(tests), "compile_status": compiled,
+           "compile_message": resp.compile.stderr.decode(errors="replace") if compiled != "OK" else "",
+           "results": results, "via": via}
+    print(json.dumps(out, indent=2))
+    return 0 if status == "OK" else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="temper", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--home", default=".temper", help="where state, logs and data live (default .temper)")
@@ -108,6 +211,23 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--timeout", type=float, default=180.0, help="start-up timeout, seconds")
     run.add_argument("--job-timeout", type=float, default=1800.0)
     run.set_defaults(fn=cmd_run)
+    sb = sub.add_parser("sandbox", help="run code in the gVisor sandbox: the running service, else in-process")
+    sbsub = sb.add_subparsers(dest="sandbox_command", required=True)
+    for name, helptext, fn in (("exec", "run FILE once; prints the verdict as JSON", cmd_sandbox_exec),
+                               ("test", "run PROGRAM against TESTFILE (.json/.jsonl cases, or a Python "
+                                        "assertion script)", cmd_sandbox_test)):
+        p = sbsub.add_parser(name, help=helptext)
+        if name == "exec":
+            p.add_argument("file")
+            p.add_argument("--stdin", default=None, help="file fed to the program's stdin")
+        else:
+            p.add_argument("program")
+            p.add_argument("testfile")
+            p.add_argument("--stop-on-first-failure", action="store_true")
+        p.add_argument("--language", default="", help="python3, c, cpp, bash, ... (default: from the file name)")
+        p.add_argument("--timeout", type=float, default=0.0, help="wall-clock seconds (default: the service's)")
+        p.add_argument("--memory-mb", type=int, default=0, help="memory limit (default: the service's)")
+        p.set_defaults(fn=fn)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

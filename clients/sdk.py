@@ -24,6 +24,8 @@ from temper.v1 import (
     replay_pb2_grpc,
     reward_pb2,
     reward_pb2_grpc,
+    sandbox_pb2,
+    sandbox_pb2_grpc,
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
@@ -61,13 +63,17 @@ class InferenceClient(_Client):
         return self.stub.Generate(inference_pb2.GenerateRequest(prompts=msgs, sampling=sampling),
                                   timeout=self.timeout)
 
-    def update_weights(self, tensors, new_version: int = 0, chunk_bytes: int | None = None
-                       ) -> inference_pb2.UpdateWeightsResponse:
-        """Stream ``tensors`` (name -> torch.Tensor) as one new policy version."""
+    def update_weights(self, tensors, new_version: int = 0, chunk_bytes: int | None = None,
+                       checksum: str = "xxh3_128") -> inference_pb2.UpdateWeightsResponse:
+        """Stream ``tensors`` (name -> torch.Tensor) as one new policy version.
+
+        ``checksum``: the per-tensor digest, "xxh3_128" (fast) or "sha256".
+        """
         from temper.inference.weights import DEFAULT_CHUNK_BYTES, chunks_from_tensors
 
         return self.stub.UpdateWeights(
-            chunks_from_tensors(tensors, chunk_bytes or DEFAULT_CHUNK_BYTES, new_version), timeout=self.timeout)
+            chunks_from_tensors(tensors, chunk_bytes or DEFAULT_CHUNK_BYTES, new_version, checksum),
+            timeout=self.timeout)
 
     def policy_version(self) -> int:
         return self.stub.GetPolicyVersion(inference_pb2.GetPolicyVersionRequest(),
@@ -80,21 +86,93 @@ class RewardClient(_Client):
     def score(self, group: common_pb2.RolloutGroup) -> common_pb2.RolloutGroup:
         return self.stub.Score(reward_pb2.ScoreRequest(group=group), timeout=self.timeout).group
 
+    def list_domains(self) -> reward_pb2.ListDomainsResponse:
+        """The domains scored, each with its component weights; the verifier components; which models are loaded."""
+        return self.stub.ListDomains(reward_pb2.ListDomainsRequest(), timeout=self.timeout)
+
+
+class SandboxClient(_Client):
+    """Run untrusted code in the sandbox service (gVisor). Limits left at 0 take the service's defaults."""
+
+    stub_class = sandbox_pb2_grpc.SandboxServiceStub
+
+    @staticmethod
+    def request(source: str | bytes | None = None, language: str = "python3", *,
+                files: dict[str, str | bytes] | None = None, command: Iterable[str] = (), stdin: str | bytes = b"",
+                wall_seconds: float = 0, cpu_seconds: float = 0, memory_mb: int = 0, max_processes: int = 0,
+                max_output_bytes: int = 0) -> sandbox_pb2.ExecuteRequest:
+        """An ExecuteRequest: ``source`` is the language's main file; ``files`` adds others by path."""
+        def raw(v):
+            return v.encode() if isinstance(v, str) else v
+
+        sources = [sandbox_pb2.SourceFile(path="", content=raw(source))] if source is not None else []
+        sources += [sandbox_pb2.SourceFile(path=p, content=raw(c)) for p, c in (files or {}).items()]
+        return sandbox_pb2.ExecuteRequest(
+            language=language, files=sources, command=list(command), stdin=raw(stdin),
+            limits=sandbox_pb2.Limits(wall_seconds=wall_seconds, cpu_seconds=cpu_seconds, memory_mb=memory_mb,
+                                      max_processes=max_processes, max_output_bytes=max_output_bytes))
+
+    def execute(self, source: str | bytes | None = None, language: str = "python3", **kw) -> sandbox_pb2.ExecuteResponse:
+        """Run once; ``kw`` as for ``request``. The verdict name: ``sandbox_pb2.Verdict.Name(resp.verdict)``."""
+        req = self.request(source, language, **kw)
+        return self.stub.Execute(req, timeout=self.timeout + req.limits.wall_seconds)
+
+    def run_tests(self, source: str | bytes | None, tests: Iterable[sandbox_pb2.TestCase | dict | str],
+                  language: str = "python3", stop_on_first_failure: bool = False, exact_output: bool = False,
+                  **kw) -> sandbox_pb2.RunTestsResponse:
+        """Run against ``tests``: TestCase messages, dicts of its fields, or strings (assertion scripts)."""
+        def case(t):
+            if isinstance(t, str):
+                return sandbox_pb2.TestCase(assertion_script=t)
+            if isinstance(t, dict):
+                t = {k: v.encode() if isinstance(v, str) and k != "assertion_script" else v for k, v in t.items()}
+                return sandbox_pb2.TestCase(**t)
+            return t
+
+        cases = [case(t) for t in tests]
+        req = sandbox_pb2.RunTestsRequest(
+            program=self.request(source, language, **kw), tests=cases, stop_on_first_failure=stop_on_first_failure,
+            output_match=sandbox_pb2.OUTPUT_MATCH_EXACT if exact_output else sandbox_pb2.OUTPUT_MATCH_UNSPECIFIED)
+        return self.stub.RunTests(req, timeout=self.timeout + len(cases) * (req.program.limits.wall_seconds or 10))
+
 
 class ReplayClient(_Client):
     stub_class = replay_pb2_grpc.ReplayServiceStub
 
-    def insert(self, groups: Iterable[common_pb2.RolloutGroup], table: str = "default") -> replay_pb2.InsertResponse:
-        return self.stub.Insert((replay_pb2.InsertRequest(table=table, group=g) for g in groups),
+    def insert(self, groups: Iterable[common_pb2.RolloutGroup], table: str = "default",
+               priorities: Iterable[float] | None = None) -> replay_pb2.InsertResponse:
+        """Stream ``groups`` into ``table``; answered once all are durable (or the rate limiter's wait ran out)."""
+        groups = list(groups)
+        prios = list(priorities) if priorities is not None else [None] * len(groups)
+        return self.stub.Insert((replay_pb2.InsertRequest(table=table, group=g, priority=p) for g, p in zip(groups, prios)),
                                 timeout=self.timeout)
 
-    def sample(self, batch_size: int, table: str = "default", timeout_ms: int = 10_000) -> list[common_pb2.RolloutGroup]:
-        resp = self.stub.Sample(replay_pb2.SampleRequest(table=table, batch_size=batch_size, timeout_ms=timeout_ms),
-                                timeout=timeout_ms / 1000 + self.timeout)
-        return list(resp.groups)
+    def sample_batch(self, batch_size: int, table: str = "default", timeout_ms: int = 10_000,
+                     current_policy_version: int | None = None,
+                     importance_sampling_exponent: float | None = None) -> replay_pb2.SampleResponse:
+        """Groups with their SampleInfo (probability, importance weight, times sampled, ...)."""
+        req = replay_pb2.SampleRequest(table=table, batch_size=batch_size, timeout_ms=timeout_ms,
+                                       current_policy_version=current_policy_version,
+                                       importance_sampling_exponent=importance_sampling_exponent)
+        return self.stub.Sample(req, timeout=timeout_ms / 1000 + self.timeout)
+
+    def sample(self, batch_size: int, table: str = "default", timeout_ms: int = 10_000,
+               current_policy_version: int | None = None) -> list[common_pb2.RolloutGroup]:
+        return list(self.sample_batch(batch_size, table, timeout_ms, current_policy_version).groups)
+
+    def update_priorities(self, priorities: dict[str, float], table: str = "default"
+                          ) -> replay_pb2.UpdatePrioritiesResponse:
+        return self.stub.UpdatePriorities(replay_pb2.UpdatePrioritiesRequest(table=table, priorities=priorities),
+                                          timeout=self.timeout)
 
     def stats(self, table: str = "default") -> replay_pb2.StatsResponse:
         return self.stub.Stats(replay_pb2.StatsRequest(table=table), timeout=self.timeout)
+
+    def checkpoint(self) -> replay_pb2.ReplayCheckpointResponse:
+        return self.stub.Checkpoint(replay_pb2.ReplayCheckpointRequest(), timeout=self.timeout)
+
+    def restore(self, checkpoint_id: str) -> replay_pb2.ReplayRestoreResponse:
+        return self.stub.Restore(replay_pb2.ReplayRestoreRequest(checkpoint_id=checkpoint_id), timeout=self.timeout)
 
 
 class LearnerClient(_Client):
@@ -102,6 +180,17 @@ class LearnerClient(_Client):
 
     def status(self) -> learner_pb2.LearnerStatus:
         return self.stub.Status(learner_pb2.LearnerStatusRequest(), timeout=self.timeout)
+
+    def checkpoint(self, path: str = "") -> learner_pb2.CheckpointResponse:
+        """Checkpoint between steps (``path`` relative to the learner's checkpoint dir; "" = step-<N>)."""
+        return self.stub.Checkpoint(learner_pb2.CheckpointRequest(path=path), timeout=self.timeout)
+
+    def pause(self) -> learner_pb2.LearnerStatus:
+        """Stop updates; returns once a step in flight has finished."""
+        return self.stub.Pause(learner_pb2.PauseRequest(), timeout=self.timeout)
+
+    def resume(self) -> learner_pb2.LearnerStatus:
+        return self.stub.Resume(learner_pb2.ResumeRequest(), timeout=self.timeout)
 
 
 class SchedulerClient(_Client):
@@ -124,5 +213,5 @@ class MonitorClient(_Client):
         return list(self.stub.RewardCurve(monitor_pb2.RewardCurveRequest(domain=domain), timeout=self.timeout).points)
 
 
-__all__ = ["InferenceClient", "RewardClient", "ReplayClient", "LearnerClient", "SchedulerClient", "MonitorClient",
-           "grpc"]
+__all__ = ["InferenceClient", "RewardClient", "SandboxClient", "ReplayClient", "LearnerClient", "SchedulerClient",
+           "MonitorClient", "grpc"]

@@ -1,22 +1,42 @@
-"""Inference engines behind one interface; this module holds the HF transformers engine.
+"""Inference engines behind one interface; this module holds the interface and the HF engine.
 
-An engine owns the policy weights and a ``policy_version``. ``generate`` and ``apply_weights``
-never interleave: a generation in flight finishes on the weights it started with, and every
-completion is reported with the version that produced it. ``apply_weights`` validates every
-tensor before touching the model, so a bad update leaves the old version serving.
+An ``Engine`` owns the policy weights and a ``policy_version``. Callers on any thread call
+``generate`` and ``apply_weights``; both only enqueue work for the engine's own thread, which
+is the one thread that touches the model. That thread batches whatever generations are
+waiting into the backend together (continuous batching in vLLM, one padded ``generate`` per
+compatible group in HF), so concurrent callers share forward passes instead of queueing on a
+lock.
+
+Invariants (the learner's importance ratios depend on them):
+
+* Every completion is produced by exactly one policy version, the one reported with it. A
+  weight update waits at the head of the queue: generations admitted before it finish on the
+  old weights, generations submitted after it start on the new ones, and none straddles it.
+* ``apply_weights`` checks every tensor (names, shapes, finiteness) before touching the model,
+  and an update whose installation fails part-way is rolled back to the previous weights, so
+  a bad or partial update leaves the old version serving.
+* Logprobs are log p of each sampled token under the distribution it was drawn from:
+  softmax(logits / temperature) after top-k / top-p filtering (temperature 0: softmax(logits)),
+  in nats. With top_k = 0 and top_p = 1 (no filtering) this is exactly what the learner's
+  teacher-forced pass computes.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
+from abc import ABC, abstractmethod
+from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import StoppingCriteria, StoppingCriteriaList
 
-from temper.runtime.errors import InvalidArgument, require
+from temper.runtime.errors import FailedPrecondition, InvalidArgument, TemperError, require
 
 
 @dataclass
@@ -33,9 +53,9 @@ class SamplingParams:
 @dataclass
 class Completion:
     token_ids: list[int]
-    logprobs: list[float]  # log p of each sampled token under softmax(logits / temperature), nats
+    logprobs: list[float]  # log p of each sampled token under its sampling distribution, nats
     text: str
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" (EOS or a stop string) | "length"
 
 
 @dataclass
@@ -44,28 +64,67 @@ class PromptResult:
     completions: list[Completion]
 
 
-class HFEngine:
-    """HF transformers generation with a KV cache; for tiny models and as a fallback."""
+@dataclass
+class GenerateJob:
+    """One ``generate`` call: all its prompts run on the same policy version."""
 
-    name = "hf"
+    id: int
+    prompts: list[list[int]]
+    params: SamplingParams
+    future: Future = field(default_factory=Future)
+    version: int = -1  # set when the engine thread admits it
+    results: list[PromptResult | None] = field(default_factory=list)
 
-    def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32):
+
+@dataclass
+class UpdateJob:
+    tensors: dict[str, torch.Tensor]
+    new_version: int
+    future: Future = field(default_factory=Future)
+
+
+class Engine(ABC):
+    """The policy behind ``generate`` / ``apply_weights``; a backend implements the abstract hooks.
+
+    Hooks run on the engine thread only: ``_admit`` hands new jobs to the backend, ``_step``
+    advances them and returns the jobs that finished, ``_abort`` drops in-flight jobs after a
+    backend error, ``_load_weights`` installs tensors (``None``: the weights in ``model_dir``).
+    """
+
+    name: str
+    tokenizer: Any
+    context_length: int
+    vocab_size: int
+
+    def __init__(self, model_dir: str | Path):
         self.model_dir = Path(model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        if self.tokenizer.pad_token_id is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.tokenizer.padding_side = "left"
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).eval()
-        self.context_length = int(getattr(self.model.config, "max_position_embeddings", 2048))
         self.policy_version = 0
-        self._lock = threading.Lock()
+        self.last_apply_seconds = 0.0
+        self._ids = itertools.count()
+        self._cond = threading.Condition()
+        self._pending: deque[GenerateJob | UpdateJob] = deque()
+        self._running: list[GenerateJob] = []  # admitted, not finished (engine thread only)
+        self._closed = False
+        self.max_jobs_in_flight = 0  # most generate calls ever batched together (observability, tests)
+        # What a failed installation rolls back to: the last applied tensors (a host copy of the
+        # weights is kept for this), or None for the weights in model_dir.
+        self._installed: dict[str, torch.Tensor] | None = None
+        self._thread = threading.Thread(target=self._serve, name=f"{self.name}-engine", daemon=True)
+
+    def _start_thread(self) -> None:
+        """Subclasses call this last in ``__init__``, once the backend is ready."""
+        self._thread.start()
 
     # -- prompts ---------------------------------------------------------------------------
-    def encode(self, text: str, apply_chat_template: bool = False) -> list[int]:
+    def encode(self, text: str, apply_chat_template: bool = False, field_name: str = "prompt") -> list[int]:
         if apply_chat_template:
-            return list(self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                           add_generation_prompt=True, tokenize=True))
-        return self.tokenizer(text, add_special_tokens=True).input_ids
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise InvalidArgument("this model's tokenizer has no chat template",
+                                      field=f"{field_name}.apply_chat_template")
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                      add_generation_prompt=True, tokenize=False)
+            return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        return list(self.tokenizer(text, add_special_tokens=True).input_ids)
 
     def validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
         require(len(prompts) > 0, "prompts", "at least one prompt is required")
@@ -74,76 +133,31 @@ class HFEngine:
         require(params.max_tokens < self.context_length, "sampling.max_tokens",
                 f"{params.max_tokens} exceeds the model's context of {self.context_length} tokens")
         require(params.temperature >= 0, "sampling.temperature", f"must be >= 0, got {params.temperature}")
-        require(0 <= params.top_p <= 1, "sampling.top_p", f"must be in [0, 1], got {params.top_p}")
+        require(0 < params.top_p <= 1, "sampling.top_p", f"must be in (0, 1], got {params.top_p}")
         require(params.top_k >= 0, "sampling.top_k", f"must be >= 0, got {params.top_k}")
-        vocab = len(self.tokenizer)
+        for i, s in enumerate(params.stop):
+            require(bool(s), f"sampling.stop[{i}]", "empty stop string")
         for i, ids in enumerate(prompts):
             require(len(ids) > 0, f"prompts[{i}]", "empty prompt")
             require(len(ids) + params.max_tokens <= self.context_length, f"prompts[{i}]",
                     f"{len(ids)} prompt tokens + max_tokens {params.max_tokens} exceed the context of "
                     f"{self.context_length}")
-            require(all(0 <= t < vocab for t in ids), f"prompts[{i}].token_ids",
-                    f"token ids must be in [0, {vocab})")
+            require(all(0 <= t < self.vocab_size for t in ids), f"prompts[{i}].token_ids",
+                    f"token ids must be in [0, {self.vocab_size})")
 
-    # -- generation ------------------------------------------------------------------------
-    @torch.no_grad()
+    # -- callers (any thread) --------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> tuple[list[PromptResult], int]:
+        """Sample ``params.n`` completions per prompt; returns them and the version that made them."""
         self.validate(prompts, params)
-        with self._lock:
-            version = self.policy_version
-            if params.seed is not None:
-                torch.manual_seed(params.seed)
-            results = self._generate_batch(prompts, params)
-        return results, version
+        job = GenerateJob(next(self._ids), [list(p) for p in prompts], params)
+        self._submit(job)
+        return job.future.result()
 
-    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[PromptResult]:
-        tok = self.tokenizer
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), tok.pad_token_id, dtype=torch.long)
-        attention = torch.zeros_like(input_ids)
-        for i, ids in enumerate(prompts):  # left padding
-            input_ids[i, width - len(ids):] = torch.tensor(ids)
-            attention[i, width - len(ids):] = 1
-        greedy = params.temperature == 0
-        kwargs = dict(do_sample=not greedy, num_return_sequences=params.n, max_new_tokens=params.max_tokens,
-                      output_logits=True, return_dict_in_generate=True, pad_token_id=tok.pad_token_id,
-                      eos_token_id=tok.eos_token_id)
-        if not greedy:
-            kwargs.update(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p or 1.0)
-        if params.stop:
-            kwargs.update(stop_strings=list(params.stop), tokenizer=tok)
-        out = self.model.generate(input_ids=input_ids, attention_mask=attention, **kwargs)
-        new_tokens = out.sequences[:, width:]
-        scale = params.temperature if not greedy else 1.0
-        logprobs = (torch.stack(out.logits, dim=1).float() / scale).log_softmax(-1)
-        token_logprobs = logprobs.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
-        results = [PromptResult(prompt_token_ids=list(ids), completions=[]) for ids in prompts]
-        for row in range(new_tokens.shape[0]):
-            ids = new_tokens[row].tolist()
-            length, finish = self._completion_length(ids, params.stop)
-            results[row // params.n].completions.append(Completion(
-                token_ids=ids[:length], logprobs=token_logprobs[row, :length].tolist(),
-                text=tok.decode(ids[:length], skip_special_tokens=True), finish_reason=finish))
-        return results
-
-    def _completion_length(self, ids: list[int], stop: list[str]) -> tuple[int, str]:
-        eos = self.tokenizer.eos_token_id
-        if eos in ids:
-            return ids.index(eos) + 1, "stop"
-        if stop:
-            for end in range(1, len(ids) + 1):
-                text = self.tokenizer.decode(ids[:end], skip_special_tokens=True)
-                if any(s in text for s in stop):
-                    return end, "stop"
-        return len(ids), "length"
-
-    # -- weights ---------------------------------------------------------------------------
+    @abstractmethod
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Name -> (shape, dtype) of every tensor an update must carry."""
-        return {n: (tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()}
+        """Name -> (shape, dtype) of every tensor an update must carry (HF checkpoint names)."""
 
-    def apply_weights(self, tensors: dict[str, torch.Tensor], new_version: int = 0) -> int:
-        """Install ``tensors`` as one new policy version; all validated before any is applied."""
+    def validate_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         specs = self.weight_specs()
         missing = sorted(set(specs) - set(tensors))
         extra = sorted(set(tensors) - set(specs))
@@ -156,14 +170,277 @@ class HFEngine:
             shape, _ = specs[name]
             require(tuple(t.shape) == shape, f"tensor {name}", f"shape {tuple(t.shape)} != expected {shape}")
             require(t.is_floating_point(), f"tensor {name}", f"dtype {t.dtype} is not floating point")
-            require(bool(torch.isfinite(t).all()), f"tensor {name}", "contains NaN or inf")
-        t0 = time.perf_counter()
-        params = dict(self.model.named_parameters())
-        with self._lock, torch.no_grad():
-            require(new_version == 0 or new_version > self.policy_version, "new_version",
-                    f"{new_version} is not newer than the serving version {self.policy_version}")
-            for name, t in tensors.items():
-                params[name].copy_(t)
-            self.policy_version = new_version or self.policy_version + 1
+            # a NaN or inf element makes the sum non-finite, so a finite sum clears the tensor in one
+            # fast pass; only a non-finite sum (possibly an overflow) needs the exact check
+            require(bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all()), f"tensor {name}",
+                    "contains NaN or inf")
+
+    def apply_weights(self, tensors: dict[str, torch.Tensor], new_version: int = 0) -> int:
+        """Install ``tensors`` as one new policy version (0: current + 1); returns the version."""
+        self.validate_weights(tensors)
+        job = UpdateJob(tensors, new_version)
+        self._submit(job)
+        return job.future.result()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=60)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _submit(self, job: GenerateJob | UpdateJob) -> None:
+        with self._cond:
+            if self._closed:
+                raise FailedPrecondition(f"the {self.name} engine is closed")
+            self._pending.append(job)
+            self._cond.notify_all()
+
+    # -- the engine thread -----------------------------------------------------------------
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._pending or self._running or self._closed):
+                    self._cond.wait()
+                if self._closed:
+                    break
+                admitted: list[GenerateJob] = []
+                while self._pending and isinstance(self._pending[0], GenerateJob):
+                    admitted.append(self._pending.popleft())
+                # An update at the head waits until nothing is in flight, so no generation straddles it.
+                update = self._pending.popleft() if (self._pending and not admitted and not self._running) else None
+            if update is not None:
+                self._install(update)
+                continue
+            for job in admitted:
+                job.version = self.policy_version
+                job.results = [None] * len(job.prompts)
+                try:
+                    self._admit(job)
+                except Exception as e:  # noqa: BLE001 - reported to the caller, the engine keeps serving
+                    job.future.set_exception(e if isinstance(e, TemperError) else
+                                             InvalidArgument(f"rejected by the {self.name} backend: {e}",
+                                                             field="prompts"))
+                    continue
+                self._running.append(job)
+            self.max_jobs_in_flight = max(self.max_jobs_in_flight, len(self._running))
+            if self._running:
+                self._advance()
+        error = FailedPrecondition(f"the {self.name} engine is closed")
+        with self._cond:
+            left = [*self._pending, *self._running]
+            self._pending.clear()
+            self._running.clear()
+        for job in left:
+            if not job.future.done():
+                job.future.set_exception(error)
+        self._shutdown()
+
+    def _advance(self) -> None:
+        try:
+            finished = self._step()
+        except Exception as e:  # noqa: BLE001 - fail what was in flight, keep serving
+            failed, self._running = self._running, []
+            try:
+                self._abort(failed)
+            finally:
+                for job in failed:
+                    job.future.set_exception(e)
+            return
+        for job in finished:
+            self._running.remove(job)
+            job.future.set_result((job.results, job.version))
+
+    def _install(self, job: UpdateJob) -> None:
+        try:
+            require(job.new_version == 0 or job.new_version > self.policy_version, "new_version",
+                    f"{job.new_version} is not newer than the serving version {self.policy_version}")
+            t0 = time.perf_counter()
+            try:
+                self._load_weights(job.tensors)
+            except Exception as e:
+                self._load_weights(self._installed)  # roll back: the old version keeps serving
+                raise FailedPrecondition(f"installing the update failed ({type(e).__name__}: {e}); rolled back to "
+                                         f"version {self.policy_version}", field="chunks") from e
+            self._installed = job.tensors
+            self.policy_version = job.new_version or self.policy_version + 1
             self.last_apply_seconds = time.perf_counter() - t0
-            return self.policy_version
+            job.future.set_result(self.policy_version)
+        except Exception as e:  # noqa: BLE001 - reported to the caller
+            job.future.set_exception(e)
+
+    @abstractmethod
+    def _admit(self, job: GenerateJob) -> None: ...
+
+    @abstractmethod
+    def _step(self) -> list[GenerateJob]: ...
+
+    def _abort(self, jobs: list[GenerateJob]) -> None:  # noqa: B027 - optional hook
+        pass
+
+    @abstractmethod
+    def _load_weights(self, tensors: dict[str, torch.Tensor] | None) -> None: ...
+
+    def _shutdown(self) -> None:  # noqa: B027 - optional hook: release the backend
+        pass
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class HFEngine(Engine):
+    """HF transformers generation with a KV cache; for tiny models and as a fallback.
+
+    Waiting jobs are grouped by sampling settings (temperature, top-p, top-k, stop strings);
+    each group runs as one left-padded ``generate`` of up to ``max_batch_rows`` sequences. A job
+    with a seed runs alone, after ``torch.manual_seed(seed)``, so its samples do not depend on
+    what else was waiting.
+    """
+
+    name = "hf"
+
+    def __init__(self, model_dir: str | Path, dtype: torch.dtype | str = torch.float32, device: str = "cpu",
+                 max_batch_rows: int = 256, seed: int | None = None):
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+        super().__init__(model_dir)
+        self.device = _resolve_device(device)
+        self.max_batch_rows = max_batch_rows
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.tokenizer.padding_side = "left"
+        if seed is not None:
+            torch.manual_seed(seed)
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else dtype
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).to(self.device).eval()
+        eos = self.model.generation_config.eos_token_id
+        eos = self.tokenizer.eos_token_id if eos is None else eos
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos])
+        # Only what this engine passes shapes sampling: no defaults (top_k=50, repetition penalty, ...)
+        # from the checkpoint's generation_config leak in.
+        self.model.generation_config = GenerationConfig(
+            bos_token_id=self.model.config.bos_token_id, eos_token_id=sorted(self.eos_ids),
+            pad_token_id=self.tokenizer.pad_token_id)
+        self.context_length = int(getattr(self.model.config, "max_position_embeddings", 2048))
+        self.vocab_size = min(len(self.tokenizer), int(self.model.config.vocab_size))
+        self._specs = {n: (tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()}
+        self._start_thread()
+
+    def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return self._specs
+
+    # -- engine thread ---------------------------------------------------------------------
+    def _admit(self, job: GenerateJob) -> None:
+        pass  # the jobs in self._running are the batch; _step runs them all
+
+    def _step(self) -> list[GenerateJob]:
+        groups: dict[tuple, list[GenerateJob]] = {}
+        for job in self._running:
+            p = job.params
+            key = (p.temperature, p.top_p, p.top_k, tuple(p.stop), job.id if p.seed is not None else None)
+            groups.setdefault(key, []).append(job)
+        for jobs in groups.values():
+            batch: list[GenerateJob] = []
+            for job in jobs:  # calls of at most max_batch_rows sequences (a bigger job runs alone)
+                if batch and sum(len(j.prompts) * j.params.n for j in batch) + len(job.prompts) * job.params.n \
+                        > self.max_batch_rows:
+                    self._generate(batch)
+                    batch = []
+                batch.append(job)
+            self._generate(batch)
+        return list(self._running)
+
+    @torch.no_grad()
+    def _generate(self, jobs: list[GenerateJob]) -> None:
+        tok, params = self.tokenizer, jobs[0].params
+        rows = [(job, i) for job in jobs for i in range(len(job.prompts)) for _ in range(job.params.n)]
+        width = max(len(job.prompts[i]) for job, i in rows)
+        input_ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
+        attention = torch.zeros_like(input_ids)
+        for r, (job, i) in enumerate(rows):  # left padding
+            ids = job.prompts[i]
+            input_ids[r, width - len(ids):] = torch.tensor(ids)
+            attention[r, width - len(ids):] = 1
+        greedy = params.temperature == 0
+        kwargs: dict[str, Any] = dict(do_sample=not greedy, max_new_tokens=max(j.params.max_tokens for j in jobs),
+                                      output_scores=True, return_dict_in_generate=True)
+        if not greedy:
+            kwargs.update(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+        if params.stop:
+            kwargs.update(stopping_criteria=StoppingCriteriaList([_StopStrings(tok, params.stop, width)]))
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
+                                  **kwargs)
+        new_tokens = out.sequences[:, width:].cpu()
+        # scores are the logits after temperature / top-k / top-p: the distribution each token was drawn from
+        logprobs = torch.stack(out.scores, dim=1).float().log_softmax(-1).cpu()
+        token_logprobs = logprobs.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        for r, (job, i) in enumerate(rows):
+            ids = new_tokens[r].tolist()
+            length, finish = self._completion_length(ids, job.params)
+            if job.results[i] is None:
+                job.results[i] = PromptResult(prompt_token_ids=job.prompts[i], completions=[])
+            job.results[i].completions.append(Completion(
+                token_ids=ids[:length], logprobs=token_logprobs[r, :length].tolist(),
+                text=tok.decode(ids[:length], skip_special_tokens=True), finish_reason=finish))
+
+    def _completion_length(self, ids: list[int], params: SamplingParams) -> tuple[int, str]:
+        ids = ids[:params.max_tokens]
+        for end, t in enumerate(ids, start=1):
+            if t in self.eos_ids:
+                return end, "stop"
+            if params.stop and any(s in self.tokenizer.decode(ids[:end], skip_special_tokens=True)
+                                   for s in params.stop):
+                return end, "stop"
+        return len(ids), "length"
+
+    @torch.no_grad()
+    def _load_weights(self, tensors: dict[str, torch.Tensor] | None) -> None:
+        if tensors is None:
+            from transformers import AutoModelForCausalLM
+
+            tensors = dict(AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+                           .named_parameters())
+        params = dict(self.model.named_parameters())
+        for name, t in tensors.items():
+            params[name].copy_(t)
+
+
+class _StopStrings(StoppingCriteria):
+    """Ends a row once its decoded completion contains a stop string.
+
+    Decodes the text (as the completion's ``text`` is made) rather than matching token pieces, so
+    it works for any tokenizer (transformers' own ``stop_strings`` needs a BPE-like vocabulary).
+    """
+
+    def __init__(self, tokenizer, stop: list[str], prompt_width: int):
+        self.tokenizer, self.stop, self.prompt_width = tokenizer, list(stop), prompt_width
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        texts = self.tokenizer.batch_decode(input_ids[:, self.prompt_width:], skip_special_tokens=True)
+        return torch.tensor([any(s in t for s in self.stop) for t in texts], device=input_ids.device)
+
+
+ENGINES = ("hf", "vllm")
+
+
+def build_engine(kind: str, model_dir: str | Path, **options) -> Engine:
+    """The engine named by config: "hf" or "vllm"; ``options`` go to its constructor."""
+    if kind == "hf":
+        return HFEngine(model_dir, **options)
+    if kind == "vllm":
+        from temper.inference.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_dir, **options)
+    raise InvalidArgument(f"unknown engine {kind!r}; known: {list(ENGINES)}", field="engine")

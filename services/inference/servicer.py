@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-from temper.inference.engine import HFEngine, SamplingParams
+import math
+
+from temper.inference.engine import Engine, SamplingParams
 from temper.inference.weights import WeightAssembler
 from temper.runtime.errors import reject_unknown_fields, require
 from temper.v1 import inference_pb2, inference_pb2_grpc
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
-    def __init__(self, engine: HFEngine, max_chunk_bytes: int, model_name: str):
+    def __init__(self, engine: Engine, max_chunk_bytes: int, model_name: str):
         self.engine = engine
         self.max_chunk_bytes = max_chunk_bytes
         self.model_name = model_name
-        # an update may not exceed twice the model's size (safetensors headers are small)
-        self.max_update_bytes = 2 * sum(p.numel() * p.element_size() for p in engine.model.parameters()) + (1 << 20)
+        # an update may carry every tensor at up to 8 bytes per element (float64), plus headers
+        numel = sum(math.prod(shape) for shape, _ in engine.weight_specs().values())
+        self.max_update_bytes = 8 * numel + (1 << 20)
 
     def Generate(self, request, context):
         reject_unknown_fields(request, "request")
@@ -24,7 +27,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             require(kind is not None, f"prompts[{i}]", "set text or token_ids")
             if kind == "text":
                 require(bool(p.text), f"prompts[{i}].text", "empty prompt")
-                prompts.append(self.engine.encode(p.text, p.apply_chat_template))
+                prompts.append(self.engine.encode(p.text, p.apply_chat_template, field_name=f"prompts[{i}]"))
             else:
                 prompts.append(list(p.token_ids.ids))
         s = request.sampling
@@ -46,4 +49,5 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                                                    apply_seconds=self.engine.last_apply_seconds)
 
     def GetPolicyVersion(self, request, context):
-        return inference_pb2.PolicyVersion(policy_version=self.engine.policy_version, model=self.model_name)
+        return inference_pb2.PolicyVersion(policy_version=self.engine.policy_version, model=self.model_name,
+                                           engine=self.engine.name)

@@ -1,8 +1,16 @@
-"""Entry point: python -m temper.learner — pulls from replay, trains, pushes weights."""
+"""Entry point: python -m temper.learner — pulls from replay, trains, pushes weights, checkpoints.
+
+Every field of TrainerConfig (algorithms, clipping, KL, LR schedule, micro-batching, packing,
+off-policy correction, LoRA) is a setting of the [learner] table / TEMPER_LEARNER_* / --flag;
+unknown algorithm names are refused at start-up with the field named.
+"""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+
+from pydantic import ValidationError
 
 from temper.client.sdk import InferenceClient, ReplayClient
 from temper.learner.loop import LearnerLoop
@@ -14,37 +22,41 @@ from temper.runtime.rpc import Service, serve
 from temper.v1 import learner_pb2, learner_pb2_grpc
 
 
-class LearnerConfig(ServiceConfig):
+class LearnerConfig(ServiceConfig, TrainerConfig):
     section = "learner"
     model_dir: str = ".temper/models/tiny"
     replay_address: str = "127.0.0.1:50054"
     inference_addresses: list[str] = ["127.0.0.1:50051"]
     groups_per_step: int = 16
     table: str = "default"
-    advantage: str = "grpo"
-    policy_loss: str = "ppo_clip"
-    lr: float = 1e-3
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    max_grad_norm: float = 1.0
-    epochs: int = 1
-    seed: int = 0
+    checkpoint_dir: str = ""  # "": <data_dir>/checkpoints
+    checkpoint_every: int = 0  # steps between checkpoints; 0: only on request (gRPC Checkpoint)
+    keep_checkpoints: int = 3
+    resume: bool = True  # restore the newest checkpoint of checkpoint_dir at start-up
+
+    def trainer_config(self) -> TrainerConfig:
+        return TrainerConfig(**self.model_dump(include=set(TrainerConfig.model_fields)))
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = load_config(LearnerConfig, sys.argv[1:] if argv is None else argv)
-    trainer = Trainer(config.model_dir, TrainerConfig(
-        advantage=config.advantage, policy_loss=config.policy_loss, lr=config.lr, clip_low=config.clip_low,
-        clip_high=config.clip_high, max_grad_norm=config.max_grad_norm, epochs=config.epochs, seed=config.seed))
+    try:
+        config = load_config(LearnerConfig, sys.argv[1:] if argv is None else argv)
+    except ValidationError as e:
+        fields = ", ".join(".".join(map(str, err["loc"])) or "config" for err in e.errors())
+        sys.exit(f"temper-learner: invalid configuration ({fields}):\n{e}")
+    trainer = Trainer(config.model_dir, config.trainer_config())
     replay = ReplayClient(config.replay_address)
     replicas = [InferenceClient(a) for a in config.inference_addresses]
-    state: dict = {}
-    loop = LearnerLoop(trainer, replay, replicas, None, config.groups_per_step, config.table)
+    loop = LearnerLoop(trainer, replay, replicas, None, config.groups_per_step, config.table,
+                       checkpoint_dir=config.checkpoint_dir or Path(config.data_dir) / "checkpoints",
+                       checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints)
 
     def on_start():
         kafka.ensure_topics(config.kafka_bootstrap)
         loop.producer = kafka.ProtoProducer(config.kafka_bootstrap, client_id="temper-learner")
-        state["loop"] = loop.start()
+        if config.resume:
+            loop.resume_from_checkpoint()
+        loop.start()
 
     def on_stop():
         loop.stop()

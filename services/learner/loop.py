@@ -1,18 +1,26 @@
-"""The learner's service loop: replay -> trainer -> inference replicas -> metrics.
+"""The learner's service loop: replay -> trainer -> inference replicas -> metrics, checkpoints.
 
 Kept apart from the trainer so the maths stays testable alone; this file holds the I/O.
+Invariants: one step at a time (a lock serialises steps, checkpoints and pauses); once
+``pause()`` returns no update runs until ``resume()``; a batch sampled while pausing is kept
+and trained on after resume, never dropped.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
+from prometheus_client import Counter, Gauge
 
 from temper.client.sdk import InferenceClient, ReplayClient
-from temper.learner.trainer import Trainer, batch_from_groups
+from temper.learner import checkpoint
+from temper.learner.batching import batch_from_groups
+from temper.learner.trainer import Trainer
 from temper.runtime import kafka
 from temper.runtime.errors import InvalidArgument
 from temper.runtime.logs import get_logger
@@ -21,6 +29,16 @@ from temper.v1 import common_pb2
 
 _log = get_logger(component="learner-loop")
 
+STEP_VALUE = Gauge("temper_learner_step_value", "Learner metrics of the last step (loss, kl_ref, entropy, "
+                   "clip_fraction, grad_norm, lr, advantage_mean, tokens_per_second, ...)", ["name"])
+STEP = Gauge("temper_learner_step", "Learner updates applied")
+POLICY_VERSION = Gauge("temper_learner_policy_version", "Version of the learner's current weights")
+STEPS = Counter("temper_learner_steps", "Learner updates applied by this process")
+TOKENS = Counter("temper_learner_tokens", "Completion tokens trained on")
+SKIPPED = Counter("temper_learner_skipped_batches", "Batches refused (never trained on), by field", ["field"])
+PUSH_FAILURES = Counter("temper_learner_weight_push_failures", "Weight pushes an inference replica refused")
+CHECKPOINTS = Counter("temper_learner_checkpoints", "Checkpoints written")
+
 
 @dataclass
 class LearnerState:
@@ -28,13 +46,20 @@ class LearnerState:
     policy_version: int = 0
     paused: bool = False
     skipped_batches: int = 0
+    skipped_by_field: dict[str, int] = field(default_factory=dict)
+    stale_groups_dropped: int = 0
+    push_failures: int = 0
+    checkpoint_step: int = -1  # -1: none yet
+    checkpoint_path: str = ""
+    resumed: bool = False
     last: common_pb2.StepMetrics = field(default_factory=common_pb2.StepMetrics)
 
 
 class LearnerLoop:
     def __init__(self, trainer: Trainer, replay: ReplayClient, replicas: list[InferenceClient],
                  producer: kafka.ProtoProducer | None, groups_per_step: int, table: str = "default",
-                 sample_timeout_ms: int = 5_000):
+                 sample_timeout_ms: int = 5_000, checkpoint_dir: str | Path | None = None,
+                 checkpoint_every: int = 0, keep_checkpoints: int = 3):
         self.trainer = trainer
         self.replay = replay
         self.replicas = replicas
@@ -42,7 +67,12 @@ class LearnerLoop:
         self.groups_per_step = groups_per_step
         self.table = table
         self.sample_timeout_ms = sample_timeout_ms
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
+        self.checkpoint_every = checkpoint_every
+        self.keep_checkpoints = keep_checkpoints
         self.state = LearnerState()
+        self._lock = threading.Lock()  # one step / checkpoint at a time
+        self._pending: list[common_pb2.RolloutGroup] | None = None
         self._stop = threading.Event()
         self._resume = threading.Event()
         self._resume.set()
@@ -64,33 +94,42 @@ class LearnerLoop:
             if self._stop.is_set():
                 return
             t0 = time.perf_counter()
-            try:
-                groups = self.replay.sample(self.groups_per_step, self.table, self.sample_timeout_ms)
-            except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                    _log.warning("sample failed", code=e.code().name, details=e.details())
-                    self._stop.wait(1.0)
-                continue
-            self.train_on(groups, t0)
+            groups, self._pending = self._pending, None
+            if groups is None:
+                try:
+                    groups = self.replay.sample(self.groups_per_step, self.table, self.sample_timeout_ms)
+                except grpc.RpcError as e:
+                    if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                        _log.warning("sample failed", code=e.code().name, details=e.details())
+                        self._stop.wait(1.0)
+                    continue
+            with self._lock:
+                if not self._resume.is_set() or self._stop.is_set():  # paused while sampling: keep the batch
+                    self._pending = groups
+                    continue
+                self._step(groups, t0)
 
-    def train_on(self, groups: list[common_pb2.RolloutGroup], t0: float) -> common_pb2.StepMetrics | None:
+    # -- one step ------------------------------------------------------------------------------
+    def train_on(self, groups: list[common_pb2.RolloutGroup], t0: float | None = None) -> common_pb2.StepMetrics | None:
+        """One update on ``groups`` (None if the batch was refused; the refusal is counted)."""
+        with self._lock:
+            return self._step(groups, time.perf_counter() if t0 is None else t0)
+
+    def _step(self, groups: list[common_pb2.RolloutGroup], t0: float) -> common_pb2.StepMetrics | None:
         with self._tracer.start_as_current_span("learner.step") as span:
             try:
                 batch = batch_from_groups(groups)
                 values = self.trainer.step(batch)
             except InvalidArgument as e:
-                self.state.skipped_batches += 1
-                _log.error("batch skipped", error=str(e), skipped=self.state.skipped_batches)
+                self._count_skip(e)
                 return None
-            version = self.trainer.step_count
-            weights = self.trainer.weights()
-            for replica in self.replicas:
-                replica.update_weights(weights, new_version=version)
+            version = self.trainer.policy_version
+            self._push(version)
             domain_rewards: dict[str, list[float]] = {}
             for d, r in zip(batch.domains, batch.rewards.tolist()):
                 domain_rewards.setdefault(d, []).append(r)
             metrics = common_pb2.StepMetrics(
-                job_id=batch.job_id, step=version, policy_version=version,
+                job_id=batch.job_id, step=self.trainer.step_count, policy_version=version,
                 mean_reward=batch.rewards.mean().item(), samples=len(batch.rewards),
                 seconds=time.perf_counter() - t0, values=values,
                 domain_mean_reward={d: sum(v) / len(v) for d, v in domain_rewards.items()},
@@ -98,13 +137,114 @@ class LearnerLoop:
             span.set_attribute("temper.policy_version", version)
             if self.producer is not None:
                 self.producer.send(kafka.METRICS, batch.job_id or "learner", metrics).get(30)
-            self.state.step, self.state.policy_version, self.state.last = version, version, metrics
-            _log.info("step", step=version, mean_reward=round(metrics.mean_reward, 4), loss=round(values["loss"], 4))
+            if self.checkpoint_every > 0 and self.checkpoint_dir and self.trainer.step_count % self.checkpoint_every == 0:
+                self._checkpoint(None)
+            s = self.state
+            s.step, s.policy_version, s.last = self.trainer.step_count, version, metrics
+            s.stale_groups_dropped += int(values.get("stale_groups_dropped", 0))
+            self._export(values)
+            _log.info("step", step=s.step, mean_reward=round(metrics.mean_reward, 4), loss=round(values["loss"], 4))
             return metrics
 
+    def _count_skip(self, e: InvalidArgument) -> None:
+        s = self.state
+        s.skipped_batches += 1
+        kind = re.sub(r"\[\d+\]", "[]", e.field or "batch")  # bounded label values for Prometheus
+        s.skipped_by_field[kind] = s.skipped_by_field.get(kind, 0) + 1
+        SKIPPED.labels(kind).inc()
+        _log.error("batch skipped", error=str(e), field=e.field, skipped=s.skipped_batches)
+
+    def _export(self, values: dict[str, float]) -> None:
+        for name, value in values.items():
+            STEP_VALUE.labels(name).set(value)
+        STEP.set(self.trainer.step_count)
+        POLICY_VERSION.set(self.trainer.policy_version)
+        STEPS.inc()
+        TOKENS.inc(values.get("tokens", 0.0))
+
+    def _push(self, version: int, replicas: list[InferenceClient] | None = None) -> None:
+        """Send the current weights as ``version`` to every replica; a refusal is logged and counted."""
+        replicas = self.replicas if replicas is None else replicas
+        if not replicas:
+            return
+        weights = self.trainer.weights()
+        for replica in replicas:
+            try:
+                replica.update_weights(weights, new_version=version)
+            except grpc.RpcError as e:
+                self.state.push_failures += 1
+                PUSH_FAILURES.inc()
+                _log.error("weight push failed", replica=replica.address, code=e.code().name, details=e.details())
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _checkpoint(self, path: str | None) -> Path:
+        root = self.checkpoint_dir
+        if root is None:
+            raise InvalidArgument("this learner has no checkpoint_dir", field="path")
+        step = self.trainer.step_count
+        if path:
+            target = (root / path).resolve()
+            if not target.is_relative_to(root.resolve()):
+                raise InvalidArgument(f"must name a directory inside the checkpoint dir {root}", field="path")
+        else:
+            target = root / f"step-{step:08d}"
+            if checkpoint.latest(root) == target.resolve() and (target / "trainer.json").exists():
+                return target  # this very state is already the latest checkpoint
+        t0 = time.perf_counter()
+        checkpoint.save(self.trainer, target)
+        checkpoint.mark_latest(root, target)
+        checkpoint.prune(root, self.keep_checkpoints)
+        CHECKPOINTS.inc()
+        self.state.checkpoint_step, self.state.checkpoint_path = step, str(target)
+        _log.info("checkpoint", step=step, path=str(target), seconds=round(time.perf_counter() - t0, 3))
+        return target
+
+    def checkpoint(self, path: str | None = None) -> tuple[Path, int, int]:
+        """Write a checkpoint between steps; returns (directory, step, policy version)."""
+        with self._lock:
+            return self._checkpoint(path), self.trainer.step_count, self.trainer.policy_version
+
+    def resume_from_checkpoint(self) -> bool:
+        """Restore the newest checkpoint under checkpoint_dir, if any, and serve its weights.
+
+        Replicas that already serve a version >= the checkpoint's (updates after the checkpoint
+        that died with the old process) get the restored weights under a newer version number,
+        so versions only ever increase.
+        """
+        if self.checkpoint_dir is None:
+            return False
+        path = checkpoint.latest(self.checkpoint_dir)
+        if path is None:
+            return False
+        with self._lock:
+            meta = checkpoint.load(self.trainer, path)
+            serving: list[tuple[InferenceClient, int]] = []
+            for replica in self.replicas:
+                try:
+                    serving.append((replica, replica.policy_version()))
+                except grpc.RpcError as e:  # it gets the weights with the next step's push
+                    _log.warning("replica unreachable at resume", replica=replica.address, code=e.code().name)
+            newest = max((v for _, v in serving), default=-1)
+            if newest > self.trainer.policy_version:
+                self.trainer.policy_version = newest + 1
+            behind = [r for r, v in serving if v != self.trainer.policy_version]
+            if behind:
+                self._push(self.trainer.policy_version, behind)
+            s = self.state
+            s.step, s.policy_version, s.resumed = self.trainer.step_count, self.trainer.policy_version, True
+            s.checkpoint_step, s.checkpoint_path = int(meta["step"]), str(path)
+            STEP.set(s.step)
+            POLICY_VERSION.set(s.policy_version)
+        _log.info("resumed", step=s.step, policy_version=s.policy_version, path=str(path))
+        return True
+
+    # -- control -------------------------------------------------------------------------------
     def pause(self) -> None:
+        """Stop taking steps; returns once any step in flight has finished."""
         self.state.paused = True
         self._resume.clear()
+        with self._lock:
+            pass
 
     def resume(self) -> None:
         self.state.paused = False

@@ -1,9 +1,9 @@
-"""gRPC LearnerService: status and control of the loop."""
+"""gRPC LearnerService: status, checkpoints and control of the loop (protobuf <-> plain objects)."""
 
 from __future__ import annotations
 
 from temper.learner.loop import LearnerLoop
-from temper.runtime.errors import Unimplemented
+from temper.runtime.errors import reject_unknown_fields
 from temper.v1 import learner_pb2, learner_pb2_grpc
 
 
@@ -14,14 +14,19 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
 
     def _status(self) -> learner_pb2.LearnerStatus:
         s = self.loop.state
-        return learner_pb2.LearnerStatus(step=s.step, policy_version=s.policy_version, paused=s.paused, last=s.last,
-                                         skipped_batches=s.skipped_batches, algorithm=self.algorithm)
+        return learner_pb2.LearnerStatus(
+            step=s.step, policy_version=s.policy_version, paused=s.paused, last=s.last,
+            skipped_batches=s.skipped_batches, algorithm=self.algorithm, skipped_by_field=s.skipped_by_field,
+            stale_groups_dropped=s.stale_groups_dropped, weight_push_failures=s.push_failures,
+            checkpoint_step=s.checkpoint_step, checkpoint_path=s.checkpoint_path, resumed=s.resumed)
 
     def Status(self, request, context):
         return self._status()
 
     def Checkpoint(self, request, context):
-        raise Unimplemented("checkpoints arrive with the learner issue")
+        reject_unknown_fields(request, "request")
+        path, step, version = self.loop.checkpoint(request.path or None)
+        return learner_pb2.CheckpointResponse(path=str(path), step=step, policy_version=version)
 
     def Pause(self, request, context):
         self.loop.pause()

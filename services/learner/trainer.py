@@ -1,147 +1,402 @@
 """The learner's core: batches of scored groups -> one policy update. No gRPC, no Kafka.
 
-A step: validate the batch (bad batches raise InvalidArgument and are never trained on),
-compute group advantages, recompute token logprobs of the sampled completions with the
-current weights (teacher forcing, logits scaled by each sample's temperature), take the
-clipped surrogate loss, and apply one AdamW step with gradient clipping. A non-finite loss or
-gradient skips the step, so no NaN ever reaches the weights.
+A step:
+1. validate the batch (bad batches raise InvalidArgument naming the field, never trained on) and
+   drop groups staler than ``max_staleness`` policy versions;
+2. lay it out as packed (or padded) micro-batches;
+3. without gradients: reference-model logprobs (when a KL penalty is on) and the critic's
+   values (GAE);
+4. advantages by the configured estimator (KL in the reward enters here as dense token rewards);
+5. ``epochs`` passes: per micro-batch, teacher-forced token logprobs under the current weights
+   (logits scaled by each sample's temperature), the configured policy loss (+ KL in the loss,
+   - entropy bonus), backward with batch-level denominators so micro-batches add up to the
+   full-batch gradient; then gradient clipping and one AdamW step. Off-policy correction
+   ("tis") uses the pre-update logprobs as the proximal policy of the clipped ratio and weights
+   each token by min(pi_prox / pi_behaviour, tis_cap);
+6. the critic (GAE) regresses the returns with the clipped value loss, on its own optimiser;
+7. controllers: LR schedule (+ KL back-off), adaptive KL coefficient.
+A non-finite loss or gradient skips the step (counted), so no NaN ever reaches the weights.
+
+Units: logprobs and KL in nats (KL per token); lr per optimiser step; staleness in policy versions.
 """
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from transformers import AutoModelForCausalLM
 
-from temper.learner.algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
-from temper.runtime.errors import InvalidArgument, require
-from temper.v1 import common_pb2
+from temper.learner import algos
+from temper.learner.algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, NEEDS_CRITIC, POLICY_LOSSES, Aggregation
+from temper.learner.batching import Batch, ModelInputs, batch_from_groups, micro_batches
+from temper.learner.schedules import KLController, LRController
+from temper.runtime.errors import InvalidArgument
+
+__all__ = ["Batch", "Trainer", "TrainerConfig", "batch_from_groups"]
 
 
-@dataclass
-class Batch:
-    """Plain tensors of one batch; sequence i = prompts[i] + completions[i]."""
+class TrainerConfig(BaseModel):
+    """Every knob of the update; validated (unknown algorithm names are refused with the field named)."""
 
-    prompts: list[list[int]]
-    completions: list[list[int]]
-    old_logprobs: torch.Tensor  # [T] over all completion tokens, in order
-    temperatures: torch.Tensor  # [B]
-    rewards: torch.Tensor  # [B]
-    group_index: torch.Tensor  # [B]
-    policy_versions: torch.Tensor  # [B]
-    domains: list[str]
-    job_id: str
+    model_config = ConfigDict(extra="forbid")
 
-
-def batch_from_groups(groups: list[common_pb2.RolloutGroup]) -> Batch:
-    require(len(groups) > 0, "groups", "empty batch")
-    prompts, completions, old, temps, rewards, gidx, versions, domains = [], [], [], [], [], [], [], []
-    for g_i, group in enumerate(groups):
-        require(len(group.trajectories) > 0, f"groups[{g_i}].trajectories", "empty group")
-        for t_i, t in enumerate(group.trajectories):
-            field = f"groups[{g_i}].trajectories[{t_i}]"
-            require(len(t.completion_token_ids) > 0, f"{field}.completion_token_ids", "empty completion")
-            require(len(t.prompt_token_ids) > 0, f"{field}.prompt_token_ids", "empty prompt")
-            require(len(t.completion_logprobs) == len(t.completion_token_ids), f"{field}.completion_logprobs",
-                    f"{len(t.completion_logprobs)} logprobs for {len(t.completion_token_ids)} tokens")
-            require(all(math.isfinite(x) and x <= 0 for x in t.completion_logprobs), f"{field}.completion_logprobs",
-                    "must be finite and <= 0")
-            require(t.reward.status == common_pb2.REWARD_STATUS_OK, f"{field}.reward.status", "reward not OK")
-            require(math.isfinite(t.reward.total), f"{field}.reward.total", "NaN or inf")
-            prompts.append(list(t.prompt_token_ids))
-            completions.append(list(t.completion_token_ids))
-            old.extend(t.completion_logprobs)
-            temps.append(t.sampling_temperature if t.sampling_temperature > 0 else 1.0)
-            rewards.append(t.reward.total)
-            gidx.append(g_i)
-            versions.append(t.policy_version)
-            domains.append(group.task.domain)
-    return Batch(prompts, completions, torch.tensor(old), torch.tensor(temps), torch.tensor(rewards, dtype=torch.float32),
-                 torch.tensor(gidx), torch.tensor(versions), domains, groups[0].job_id)
-
-
-@dataclass
-class TrainerConfig:
+    # algorithm (registered names: see temper.learner.algos)
     advantage: str = "grpo"
     policy_loss: str = "ppo_clip"
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    max_grad_norm: float = 1.0
-    epochs: int = 1  # optimisation passes over each batch
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+    gamma: float = Field(1.0, ge=0, le=1)  # discount (GAE, REINFORCE++)
+    lam: float = Field(0.95, ge=0, le=1)  # GAE lambda
+    advantage_eps: float = Field(1e-6, gt=0)
+    clip_low: float = Field(0.2, ge=0, lt=1)  # ratio clipped to [1 - clip_low, 1 + clip_high]
+    clip_high: float = Field(0.2, ge=0)
+    dual_clip: float = Field(0.0, ge=0)  # 0: off; else c > 1 bounds the objective of A < 0 tokens by c * A
+    # critic (GAE)
+    value_lr: float = Field(0.0, ge=0)  # 0: same as lr
+    value_clip: float = Field(0.2, ge=0)  # 0: unclipped value loss
+    # KL to the frozen reference (the initial weights), and entropy bonus
+    kl_coef: float = Field(0.0, ge=0)  # 0: no reference model, no KL
+    kl_estimator: str = "k3"
+    kl_in: Literal["loss", "reward"] = "loss"
+    kl_target: float = Field(0.0, ge=0)  # > 0: adaptive coefficient towards this KL (nats/token)
+    kl_horizon: int = Field(10_000, ge=1)
+    entropy_coef: float = Field(0.0, ge=0)
+    # optimisation
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    epochs: int = Field(1, ge=1)  # optimisation passes over each batch
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    total_steps: int = Field(0, ge=0)  # steps of the linear/cosine decay
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    lr_kl_target: float = Field(0.0, ge=0)  # > 0: LR backs off while the per-step policy shift KL > 2x this
+    lr_kl_factor: float = Field(1.5, gt=1)
+    micro_batch_tokens: int = Field(0, ge=0)  # gradient accumulation budget (prompt + completion tokens); 0: off
+    packing: bool = True
+    pack_length: int = Field(0, ge=0)  # packed row length; 0: the longest sequence of the micro-batch
+    # off-policy
+    max_staleness: int = Field(-1, ge=-1)  # drop groups more than this many versions old; -1: keep all
+    off_policy_correction: Literal["none", "tis"] = "none"
+    tis_cap: float = Field(2.0, ge=1)
+    # LoRA (PEFT); 0: full fine-tuning
+    lora_rank: int = Field(0, ge=0)
+    lora_alpha: float = Field(16.0, gt=0)
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    lora_target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    lora_modules_to_save: list[str] = []  # trained in full next to the adapters (e.g. embed_tokens); ties kept
     seed: int = 0
+
+    @field_validator("advantage")
+    @classmethod
+    def _known_advantage(cls, v: str) -> str:
+        if v not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"unknown advantage estimator {v!r}; known: {sorted(ADVANTAGE_ESTIMATORS)}")
+        return v
+
+    @field_validator("policy_loss")
+    @classmethod
+    def _known_policy_loss(cls, v: str) -> str:
+        if v not in POLICY_LOSSES:
+            raise ValueError(f"unknown policy loss {v!r}; known: {sorted(POLICY_LOSSES)}")
+        return v
+
+    @field_validator("kl_estimator")
+    @classmethod
+    def _known_kl(cls, v: str) -> str:
+        if v not in KL_ESTIMATORS:
+            raise ValueError(f"unknown KL estimator {v!r}; known: {sorted(KL_ESTIMATORS)}")
+        return v
+
+    @field_validator("dual_clip")
+    @classmethod
+    def _dual_clip(cls, v: float) -> float:
+        if v != 0 and v <= 1:
+            raise ValueError(f"must be 0 (off) or > 1, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainerConfig:
+        if self.lr_schedule != "constant" and self.total_steps <= self.warmup_steps:
+            raise ValueError(f"total_steps: must be > warmup_steps ({self.warmup_steps}) for lr_schedule "
+                             f"{self.lr_schedule!r}, got {self.total_steps}")
+        if self.kl_target > 0 and self.kl_coef <= 0:
+            raise ValueError("kl_coef: an adaptive KL (kl_target > 0) needs an initial kl_coef > 0")
+        return self
+
+
+class Critic(torch.nn.Module):
+    """Value function: the policy's architecture (initialised from the same weights) with a scalar
+    head; V(s_t) is read at the position whose hidden state predicts completion token t."""
+
+    def __init__(self, model_dir: str | Path):
+        super().__init__()
+        lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.backbone = lm.get_decoder()
+        self.head = torch.nn.Linear(lm.config.hidden_size, 1)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+
+    def forward(self, mb: ModelInputs) -> torch.Tensor:
+        hidden = self.backbone(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                               position_ids=mb.position_ids, use_cache=False).last_hidden_state
+        return self.head(hidden[mb.rows, mb.cols]).squeeze(-1)
+
+
+def _with_lora(model, config: TrainerConfig):
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as e:  # pragma: no cover - peft is a dependency of the project
+        raise InvalidArgument("lora_rank > 0 needs PEFT: .venv/bin/pip install peft==0.21.2", field="lora_rank") from e
+    return get_peft_model(model, LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha,
+                                            lora_dropout=config.lora_dropout,
+                                            target_modules=list(config.lora_target_modules),
+                                            modules_to_save=list(config.lora_modules_to_save) or None,
+                                            ensure_weight_tying=bool(config.lora_modules_to_save)))
 
 
 class Trainer:
     def __init__(self, model_dir: str | Path, config: TrainerConfig):
-        if config.advantage not in ADVANTAGE_ESTIMATORS:
-            raise InvalidArgument(f"unknown advantage estimator {config.advantage!r}; known: "
-                                  f"{sorted(ADVANTAGE_ESTIMATORS)}", field="advantage")
-        if config.policy_loss not in POLICY_LOSSES:
-            raise InvalidArgument(f"unknown policy loss {config.policy_loss!r}; known: {sorted(POLICY_LOSSES)}",
-                                  field="policy_loss")
         torch.manual_seed(config.seed)
         self.config = config
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.lora = config.lora_rank > 0
+        if self.lora:
+            self.model = _with_lora(self.model, config)
         self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-        self.step_count = 0
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
+        self.lr = LRController(config.lr, config.lr_schedule, config.warmup_steps, config.total_steps,
+                               config.min_lr_ratio, config.lr_kl_target, config.lr_kl_factor)
+        self.kl = KLController(config.kl_coef, config.kl_target, config.kl_horizon)
+        # the frozen reference is the initial policy: with LoRA, the base model with the adapter off
+        self.reference = None
+        if config.kl_coef > 0 and not self.lora:
+            self.reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+            self.reference.requires_grad_(False)
+        self.critic = self.critic_optimizer = None
+        if config.advantage in NEEDS_CRITIC:
+            self.critic = Critic(model_dir).train()
+            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=config.value_lr or config.lr,
+                                                      weight_decay=config.weight_decay)
+        self.step_count = 0  # updates applied
+        self.policy_version = 0  # version of the current weights (= step_count unless bumped by the service)
         self.skipped_steps = 0
-        pad = self.model.config.pad_token_id
+        self.data_position: dict = {"groups": 0, "samples": 0, "tokens": 0, "last_group_ids": []}
+        lm_config = self.model.config
+        pad = lm_config.pad_token_id
         self.pad_id = int(pad if pad is not None else 0)
+        self.vocab_size = int(lm_config.vocab_size)
+        self.context_length = getattr(lm_config, "max_position_embeddings", None)
+        self.softcap = getattr(lm_config, "final_logit_softcapping", None)
+        self._set_lr()
+
+    # -- forward passes ----------------------------------------------------------------------
+    def _logprobs(self, model, mb: ModelInputs, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log p of each completion token [t], entropy of each predicting distribution [t])."""
+        hidden = model.get_decoder()(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                                     position_ids=mb.position_ids, use_cache=False).last_hidden_state
+        logits = model.get_output_embeddings()(hidden[mb.rows, mb.cols]).float()
+        if self.softcap:
+            logits = self.softcap * torch.tanh(logits / self.softcap)
+        logp = (logits / mb.temperatures.unsqueeze(-1)).log_softmax(-1)
+        token_logp = logp.gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)
+        return token_logp, algos.entropy(logp if entropy_grad else logp.detach())
+
+    @torch.no_grad()
+    def _reference_logprobs(self, mbs: list[ModelInputs]) -> torch.Tensor:
+        if self.lora:
+            with self.model.disable_adapter():
+                return torch.cat([self._logprobs(self.model, mb)[0] for mb in mbs])
+        return torch.cat([self._logprobs(self.reference, mb)[0] for mb in mbs])
+
+    def _micro_batches(self, batch: Batch) -> list[ModelInputs]:
+        cfg = self.config
+        return micro_batches(batch, self.pad_id, cfg.packing, cfg.pack_length, cfg.micro_batch_tokens)
 
     def token_logprobs(self, batch: Batch) -> torch.Tensor:
-        """Teacher-forced log p of every completion token, [T] in batch order."""
-        lengths = [len(p) + len(c) for p, c in zip(batch.prompts, batch.completions)]
-        ids = torch.full((len(lengths), max(lengths)), self.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, (p, c) in enumerate(zip(batch.prompts, batch.completions)):
-            ids[i, :lengths[i]] = torch.tensor(p + c)
-            mask[i, :lengths[i]] = 1
-        logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
-        out = []
-        for i, (p, c) in enumerate(zip(batch.prompts, batch.completions)):
-            # logits at position k predict token k+1: the completion's tokens are predicted by p-1 .. p+c-2
-            rows = logits[i, len(p) - 1:len(p) + len(c) - 1] / batch.temperatures[i]
-            out.append(rows.log_softmax(-1).gather(-1, torch.tensor(c).unsqueeze(-1)).squeeze(-1))
-        return torch.cat(out)
+        """Teacher-forced log p of every completion token under the current weights, [T] in batch order."""
+        return torch.cat([self._logprobs(self.model, mb)[0] for mb in self._micro_batches(batch)])
+
+    # -- the update --------------------------------------------------------------------------
+    def _drop_stale(self, batch: Batch) -> tuple[Batch, int]:
+        """Drop whole groups with a sample more than ``max_staleness`` versions behind the current weights."""
+        if self.config.max_staleness < 0:
+            return batch, 0
+        staleness = self.policy_version - batch.policy_versions
+        stale_groups = set(batch.group_index[staleness > self.config.max_staleness].tolist())
+        if not stale_groups:
+            return batch, 0
+        keep = [i for i, g in enumerate(batch.group_index.tolist()) if g not in stale_groups]
+        if not keep:
+            raise InvalidArgument(f"all {len(stale_groups)} groups are more than max_staleness="
+                                  f"{self.config.max_staleness} versions behind policy version {self.policy_version}",
+                                  field="policy_version")
+        return batch.subset(keep), len(stale_groups)
+
+    def _skip(self, message: str) -> InvalidArgument:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.critic_optimizer is not None:
+            self.critic_optimizer.zero_grad(set_to_none=True)
+        self.skipped_steps += 1
+        return InvalidArgument(f"{message}; step skipped", field="batch")
+
+    def _set_lr(self) -> float:
+        lr = self.lr.lr(self.step_count)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
 
     def step(self, batch: Batch) -> dict[str, float]:
         t0 = time.perf_counter()
         cfg = self.config
-        advantages = ADVANTAGE_ESTIMATORS[cfg.advantage](batch.rewards, batch.group_index)
-        lengths = torch.tensor([len(c) for c in batch.completions])
-        token_adv = torch.repeat_interleave(advantages, lengths)
-        metrics: dict[str, float] = {}
-        for _ in range(cfg.epochs):
-            logprobs = self.token_logprobs(batch)
-            loss, info = POLICY_LOSSES[cfg.policy_loss](logprobs, batch.old_logprobs, token_adv,
-                                                        clip_low=cfg.clip_low, clip_high=cfg.clip_high)
-            self.optimizer.zero_grad(set_to_none=True)
-            if not torch.isfinite(loss):
-                self.skipped_steps += 1
-                raise InvalidArgument("non-finite loss; step skipped", field="batch")
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-            if not torch.isfinite(grad_norm):
-                self.optimizer.zero_grad(set_to_none=True)
-                self.skipped_steps += 1
-                raise InvalidArgument("non-finite gradient; step skipped", field="batch")
-            self.optimizer.step()
+        batch.validate(self.vocab_size, self.context_length)
+        staleness = (self.policy_version - batch.policy_versions).float()
+        batch, stale_groups = self._drop_stale(batch)
+        lengths = batch.lengths
+        n_seqs, n_tokens = len(lengths), int(lengths.sum())
+        mbs = self._micro_batches(batch)
+
+        def agg(mb: ModelInputs) -> Aggregation:
+            return Aggregation(cfg.loss_aggregation, mb.lengths, n_tokens, n_seqs)
+
+        kl_fn = KL_ESTIMATORS[cfg.kl_estimator]
+        ref_logprobs = self._reference_logprobs(mbs) if cfg.kl_coef > 0 else None
+        old_values = None
+        if self.critic is not None:
             with torch.no_grad():
-                approx_kl = (batch.old_logprobs - logprobs.detach()).mean().item()
-            metrics = {"loss": loss.item(), "grad_norm": float(grad_norm), "approx_kl": approx_kl,
-                       "lr": self.optimizer.param_groups[0]["lr"], **info}
+                old_values = torch.cat([self.critic(mb) for mb in mbs])
+        token_rewards = None
+        if ref_logprobs is not None and cfg.kl_in == "reward":
+            token_rewards = -self.kl.coef * kl_fn(batch.old_logprobs, ref_logprobs)
+        advantages, returns = ADVANTAGE_ESTIMATORS[cfg.advantage](
+            algos.AdvantageInputs(batch.rewards, batch.group_index, lengths, token_rewards, old_values),
+            gamma=cfg.gamma, lam=cfg.lam, eps=cfg.advantage_eps)
+        advantages = advantages.to(torch.float32)
+        lr = self._set_lr()
+        pre_update: list[torch.Tensor] = []  # epoch 0's logprobs: the weights before this step
+        metrics: dict[str, float] = {}
+        for epoch in range(cfg.epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            sums: dict[str, float] = {}
+            for i, mb in enumerate(mbs):
+                share = mb.lengths.sum().item() / n_tokens
+                logprobs, entropy = self._logprobs(self.model, mb, entropy_grad=cfg.entropy_coef > 0)
+                old = batch.old_logprobs[mb.tokens]
+                if epoch == 0:
+                    pre_update.append(logprobs.detach())
+                ratio_base, is_weights = old, None
+                if cfg.off_policy_correction == "tis":
+                    ratio_base = pre_update[i]
+                    is_weights = torch.exp(ratio_base - old).clamp(max=cfg.tis_cap)
+                a = agg(mb)
+                policy_loss, info = POLICY_LOSSES[cfg.policy_loss](
+                    logprobs, ratio_base, advantages[mb.tokens], agg=a, clip_low=cfg.clip_low,
+                    clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, is_weights=is_weights)
+                loss = policy_loss
+                if ref_logprobs is not None:
+                    kl_tokens = kl_fn(logprobs, ref_logprobs[mb.tokens])
+                    if cfg.kl_in == "loss":
+                        loss = loss + self.kl.coef * a(kl_tokens)
+                    info["kl_ref"] = kl_tokens.detach().mean().item()
+                if cfg.entropy_coef > 0:
+                    loss = loss - cfg.entropy_coef * a(entropy)
+                if not torch.isfinite(loss):
+                    raise self._skip("non-finite loss")
+                loss.backward()
+                with torch.no_grad():
+                    info["entropy"] = entropy.detach().mean().item()
+                    info["approx_kl"] = (old - logprobs.detach()).mean().item()
+                    if is_weights is not None:
+                        info["is_weight_mean"] = is_weights.mean().item()
+                        info["is_weight_truncated"] = (torch.exp(ratio_base - old) > cfg.tis_cap).float().mean().item()
+                info["loss"], info["policy_loss"] = loss.item(), policy_loss.item()
+                for k, v in info.items():
+                    sums[k] = sums.get(k, 0.0) + v * (1.0 if k in ("loss", "policy_loss") else share)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
+            if not torch.isfinite(grad_norm):
+                raise self._skip("non-finite gradient")
+            self.optimizer.step()
+            if self.critic is not None:
+                sums.update(self._critic_step(mbs, old_values, returns, agg))
+            metrics = {**sums, "grad_norm": float(grad_norm)}
+        if cfg.lr_kl_target > 0:  # how far this step moved the policy: KL(pi_before || pi_after), k3
+            with torch.no_grad():
+                after = torch.cat([self._logprobs(self.model, mb)[0] for mb in mbs])
+            metrics["update_kl"] = algos.kl_k3(torch.cat(pre_update), after).mean().item()
+            self.lr.observe_kl(metrics["update_kl"])
+        if ref_logprobs is not None:
+            self.kl.update(metrics.get("kl_ref", 0.0), n_seqs)
         self.step_count += 1
-        metrics.update(advantage_mean=advantages.mean().item(), advantage_std=advantages.std().item()
-                       if advantages.numel() > 1 else 0.0, tokens=float(lengths.sum()),
-                       train_seconds=time.perf_counter() - t0)
+        self.policy_version += 1
+        self._advance_data_position(batch, n_tokens)
+        seconds = time.perf_counter() - t0
+        real = sum(mb.real_tokens for mb in mbs)
+        grid = sum(mb.grid_tokens for mb in mbs)
+        metrics.update(
+            lr=lr, lr_scale=self.lr.scale, kl_coef=self.kl.coef,
+            advantage_mean=advantages.mean().item(),
+            advantage_std=advantages.std().item() if advantages.numel() > 1 else 0.0,
+            advantage_min=advantages.min().item(), advantage_max=advantages.max().item(),
+            staleness_mean=staleness.mean().item(), staleness_max=staleness.max().item(),
+            stale_groups_dropped=float(stale_groups), tokens=float(n_tokens), input_tokens=float(real),
+            padding_fraction=1.0 - real / grid, micro_batches=float(len(mbs)), train_seconds=seconds,
+            tokens_per_second=real * cfg.epochs / seconds)
+        if returns is not None:
+            metrics["return_mean"] = returns.mean().item()
         return metrics
 
+    def _critic_step(self, mbs: list[ModelInputs], old_values: torch.Tensor, returns: torch.Tensor, agg
+                     ) -> dict[str, float]:
+        self.critic_optimizer.zero_grad(set_to_none=True)
+        out = {"value_loss": 0.0, "value_clip_fraction": 0.0, "value_mean": 0.0}
+        n_tokens = len(returns)
+        for mb in mbs:
+            values = self.critic(mb)
+            loss, info = algos.clipped_value_loss(values, old_values[mb.tokens], returns[mb.tokens].to(values.dtype),
+                                                  self.config.value_clip, agg(mb))
+            if not torch.isfinite(loss):
+                raise self._skip("non-finite value loss")
+            loss.backward()
+            share = len(values) / n_tokens
+            out["value_loss"] += loss.item()
+            out["value_clip_fraction"] += info["value_clip_fraction"] * share
+            out["value_mean"] += values.detach().mean().item() * share
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.config.max_grad_norm)
+        if not torch.isfinite(grad_norm):
+            raise self._skip("non-finite value gradient")
+        self.critic_optimizer.step()
+        out["value_grad_norm"] = float(grad_norm)
+        return out
+
+    def _advance_data_position(self, batch: Batch, n_tokens: int) -> None:
+        pos = self.data_position
+        pos["groups"] += int(batch.group_index.max()) + 1
+        pos["samples"] += len(batch.completions)
+        pos["tokens"] += n_tokens
+        pos["last_group_ids"] = list(batch.group_ids or [])
+
+    # -- weights -----------------------------------------------------------------------------
     def weights(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach() for n, p in self.model.named_parameters()}
+        """The policy's tensors under the base model's names (LoRA adapters merged in)."""
+        if not self.lora:
+            return {n: p.detach() for n, p in self.model.named_parameters()}
+        merged = {}
+        modules = dict(self.model.named_modules())
+        adapter = self.model.active_adapter
+        for name, p in self.model.named_parameters():
+            if ".lora_" in name or ".original_module." in name:
+                continue
+            base = name.removeprefix("base_model.model.").replace(f".modules_to_save.{adapter}.", ".")
+            tensor = p.detach()
+            if ".base_layer." in name:
+                base = base.replace(".base_layer.", ".")
+                owner = modules[name.rsplit(".base_layer.", 1)[0]]
+                if name.endswith(".base_layer.weight") and adapter in getattr(owner, "lora_A", {}):
+                    with torch.no_grad():
+                        tensor = tensor + owner.get_delta_weight(adapter)
+            merged[base] = tensor
+        return merged

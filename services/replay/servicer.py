@@ -1,39 +1,172 @@
-"""gRPC ReplayService: translates protobuf <-> the store."""
+"""gRPC ReplayService: translates protobuf <-> the store.
+
+Groups cross this service as bytes where it can: ``Insert`` keeps each group's bytes as
+received (``decode_insert_request``) and stores them as they are, and ``Sample`` frames the
+stored bytes as field 1 of ``SampleResponse`` itself (``register`` installs a serializer that
+passes bytes through), so a 56 KB group is never parsed and serialized again on its way.
+"""
 
 from __future__ import annotations
 
-from temper.replay.store import ReplayStore
-from temper.runtime.errors import Unimplemented, require
+import math
+
+import grpc
+from google.protobuf.message_factory import GetMessageClass
+
+from temper.replay.store import ReplayStore, SampleResult
+from temper.runtime.errors import reject_unknown_fields, require
 from temper.v1 import replay_pb2, replay_pb2_grpc
+
+SERVICE = replay_pb2.DESCRIPTOR.services_by_name["ReplayService"]
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _read_varint(data: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        b = data[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, i
+        shift += 7
+
+
+def decode_insert_request(data: bytes) -> tuple[replay_pb2.InsertRequest, memoryview | None]:
+    """The parsed request and the ``group`` field's bytes as sent (None if the field is absent or
+    repeated, which protobuf merges: then the parsed group is serialized instead)."""
+    request = replay_pb2.InsertRequest.FromString(data)  # validates the wire format
+    raw, seen, i = None, 0, 0
+    while i < len(data):
+        key, i = _read_varint(data, i)
+        wire = key & 7
+        if wire == 2:
+            length, i = _read_varint(data, i)
+            if key >> 3 == 2:
+                raw, seen = memoryview(data)[i:i + length], seen + 1  # no copy: the request's bytes
+            i += length
+        elif wire == 0:
+            _, i = _read_varint(data, i)
+        elif wire in (1, 5):
+            i += 8 if wire == 1 else 4
+        else:  # groups (deprecated wire types): leave it to the parsed message
+            return request, None
+    return request, raw if seen == 1 else None
+
+
+def encode_sample_response(result: SampleResult) -> bytes:
+    """``SampleResponse`` wire bytes: stored group bytes framed as field 1, the rest serialized."""
+    head = replay_pb2.SampleResponse(current_policy_version=result.policy_version, info=[
+        replay_pb2.SampleInfo(group_id=d.group_id, probability=d.probability, importance_weight=d.importance_weight,
+                              priority=d.priority, times_sampled=d.times_sampled, table_size=d.table_size,
+                              policy_version=d.policy_version, inserted_unix_ms=d.inserted_ms)
+        for d in result.draws])
+    parts = [head.SerializeToString()]
+    for d in result.draws:
+        parts += (b"\x0a", _varint(len(d.payload)), d.payload)  # tag of field 1, length-delimited
+    return b"".join(parts)
 
 
 class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
-    def __init__(self, store: ReplayStore, max_batch: int, max_timeout_ms: int):
+    def __init__(self, store: ReplayStore, max_batch: int, max_timeout_ms: int, insert_timeout_ms: int):
         self.store = store
         self.max_batch = max_batch
         self.max_timeout_ms = max_timeout_ms
+        self.insert_timeout_ms = insert_timeout_ms
+
+    def _timeout(self, context, default_ms: int) -> float:
+        left = context.time_remaining() if context is not None else None
+        return default_ms / 1000 if left is None else max(0.0, min(left, self.max_timeout_ms / 1000))
 
     def Insert(self, request_iterator, context):
-        by_table: dict[str, list] = {}
-        for i, req in enumerate(request_iterator):
+        by_table: dict[str, tuple[list, list, list, list]] = {}
+        for i, (req, raw) in enumerate(request_iterator):
             require(req.HasField("group"), f"requests[{i}].group", "required")
-            by_table.setdefault(req.table, []).append(req.group)
-        inserted = duplicates = 0
-        for table, groups in by_table.items():
-            n, d = self.store.insert(table, groups)
-            inserted, duplicates = inserted + n, duplicates + d
-        return replay_pb2.InsertResponse(inserted=inserted, duplicates=duplicates)
+            require(req.table in self.store.tables, f"requests[{i}].table",
+                    f"unknown table {req.table!r}; known: {sorted(self.store.tables)}")
+            groups, priorities, fields, payloads = by_table.setdefault(req.table, ([], [], [], []))
+            groups.append(req.group)
+            priorities.append(req.priority if req.HasField("priority") else None)
+            fields.append(f"requests[{i}].group")
+            payloads.append(raw)
+        # every group of every table is validated before anything is stored
+        prepared = {table: self.store.prepare(*args) for table, args in by_table.items()}
+        timeout = self._timeout(context, self.insert_timeout_ms)
+        out = replay_pb2.InsertResponse()
+        for table, pending in prepared.items():
+            r = self.store.insert(table, pending, timeout=timeout)
+            out.inserted += r.inserted
+            out.duplicates += r.duplicates
+            out.stale += r.stale
+            out.evicted += r.evicted
+        return out
 
     def Sample(self, request, context):
+        reject_unknown_fields(request, "request")  # a setting this server does not know is refused, not ignored
         require(0 <= request.timeout_ms <= self.max_timeout_ms, "timeout_ms",
                 f"must be in [0, {self.max_timeout_ms}], got {request.timeout_ms}")
-        groups = self.store.sample(request.table, request.batch_size, request.timeout_ms / 1000, self.max_batch)
-        return replay_pb2.SampleResponse(groups=groups)
+        timeout = request.timeout_ms / 1000
+        left = context.time_remaining() if context is not None else None
+        if left is not None:
+            timeout = min(timeout, left)
+        result = self.store.sample(
+            request.table, request.batch_size, timeout, self.max_batch,
+            current_policy_version=(request.current_policy_version
+                                    if request.HasField("current_policy_version") else None),
+            importance_sampling_exponent=(request.importance_sampling_exponent
+                                          if request.HasField("importance_sampling_exponent") else None))
+        return encode_sample_response(result)
 
     def UpdatePriorities(self, request, context):
-        raise Unimplemented("prioritized tables arrive with the replay issue")
+        reject_unknown_fields(request, "request")
+        updated, unknown = self.store.update_priorities(request.table, dict(request.priorities))
+        return replay_pb2.UpdatePrioritiesResponse(updated=updated, unknown_group_ids=unknown)
 
     def Stats(self, request, context):
         s = self.store.stats(request.table)
-        return replay_pb2.StatsResponse(table=s.table, size=s.size, inserts=s.inserts, samples=s.samples,
-                                        duplicates=s.duplicates, domain_counts=s.domain_counts)
+        lim, c = s.limiter, s.config
+        return replay_pb2.StatsResponse(
+            table=s.table, size=s.size, inserts=s.inserts, samples=s.samples, duplicates=s.duplicates,
+            domain_counts=s.domain_counts, current_policy_version=s.policy_version, removed=s.removed,
+            bytes=s.bytes, policy_version_counts=s.policy_version_counts,
+            age_seconds=[replay_pb2.AgeBucket(upper_bound=b, count=n) for b, n in s.age_histogram],
+            rate_limiter=replay_pb2.RateLimiterState(
+                samples_per_insert=lim.samples_per_insert, min_size_to_sample=lim.min_size_to_sample,
+                min_diff=lim.min_diff, max_diff=lim.max_diff, inserts=lim.inserts, samples=lim.samples,
+                deletes=lim.deletes, diff=lim.diff if math.isfinite(lim.min_diff) else 0.0,
+                can_insert=s.can_insert, can_sample=s.can_sample, waiting_inserts=s.waiting_inserts,
+                waiting_samples=s.waiting_samples),
+            config=replay_pb2.ReplayTableConfig(
+                sampler=c.sampler, remover=c.remover, max_size=c.max_size, max_times_sampled=c.max_times_sampled,
+                priority_exponent=c.priority_exponent, importance_sampling_exponent=c.importance_sampling_exponent,
+                max_policy_lag=c.max_policy_lag, domain_quotas=c.domain_quotas))
+
+    def Checkpoint(self, request, context):
+        ckpt_id, size, sizes = self.store.checkpoint()
+        return replay_pb2.ReplayCheckpointResponse(checkpoint_id=ckpt_id, bytes=size, table_sizes=sizes)
+
+    def Restore(self, request, context):
+        return replay_pb2.ReplayRestoreResponse(table_sizes=self.store.restore(request.checkpoint_id))
+
+
+def _serialize(response) -> bytes:
+    return response if isinstance(response, bytes) else response.SerializeToString()
+
+
+def register(servicer: ReplayServicer, server: grpc.Server) -> str:
+    """Add ``servicer`` to ``server`` (any method may answer pre-encoded bytes); returns the service name."""
+    handlers = {}
+    for m in SERVICE.methods:
+        kind = grpc.stream_unary_rpc_method_handler if m.client_streaming else grpc.unary_unary_rpc_method_handler
+        decode = decode_insert_request if m.name == "Insert" else GetMessageClass(m.input_type).FromString
+        handlers[m.name] = kind(getattr(servicer, m.name), request_deserializer=decode, response_serializer=_serialize)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
+    return SERVICE.full_name

@@ -1,26 +1,44 @@
-"""Durable experience tables (SQLite, WAL, synchronous=FULL): no gRPC, no Kafka.
+"""Durable experience tables: an in-memory index per table over a SQLite log. No gRPC, no Kafka.
+
+Durable state: SQLite (WAL, ``synchronous=FULL``) holds one row per group ever inserted (its
+dedup key, table, priority, times sampled, why it left, where its bytes are) and the counters;
+the groups' bytes live in append-only segment files (``payloads.PayloadLog``), synced before
+the transaction that references them commits. Each table's live groups are also held in memory
+(``tables.Table``), so sampling never reads disk. Every operation that changes durable state
+runs as one SQLite transaction under the store's lock and returns only after ``COMMIT``; if a
+transaction fails, the tables are rebuilt from disk.
 
 Invariants:
-- a group is stored at most once per table, keyed by ``group_id`` (redelivery never
-  double-counts), and the key is remembered after the group was sampled and removed;
-- ``insert`` returns only after the group is durable (committed to disk);
+- a group is stored at most once per table, keyed by ``group_id``; the key outlives the group
+  (sampled out, evicted, too stale), so a Kafka redelivery never re-admits a consumed group;
+- ``insert`` returns only after its groups are durable: a kill -9 loses no acknowledged group;
+- a sample that uses a group up (``max_times_sampled``) or moves a rate limiter with a ratio is
+  durable before it returns, so a kill -9 never re-admits a group that was handed out as used
+  up. Samples from tables without either (unlimited draws, no ratio) change nothing a restart
+  depends on; their times-sampled and sample counters are written with the next transaction,
+  a checkpoint, or at close;
 - groups are inserted and sampled whole.
-The skeleton's only sampler is FIFO with max-times-sampled = 1: a sample takes the oldest
-``batch_size`` groups and removes them, in one transaction.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import re
 import sqlite3
 import threading
 import time
-from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
-from temper.runtime.errors import DeadlineExceeded, InvalidArgument, require
+from temper.replay.payloads import PayloadLog
+from temper.replay.tables import Draw, Removal, Table, TableConfig, TableStats
+from temper.runtime.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, require
 from temper.v1 import common_pb2
 
+SCHEMA_VERSION = 1
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS items (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -28,23 +46,24 @@ CREATE TABLE IF NOT EXISTS items (
     group_id TEXT NOT NULL,
     domain TEXT NOT NULL,
     policy_version INTEGER NOT NULL,
-    data BLOB,                       -- NULL once removed; the row stays as a dedup key
-    removed INTEGER NOT NULL DEFAULT 0,
+    data BLOB,                           -- schema 0 kept the bytes here (the migration moves them to segments)
+    removed INTEGER NOT NULL DEFAULT 0,  -- tables.Removal: 0 live, else why it left (the row stays: dedup key)
+    priority REAL NOT NULL DEFAULT 1.0,
+    times_sampled INTEGER NOT NULL DEFAULT 0,
+    inserted_ms INTEGER NOT NULL DEFAULT 0,
+    seg TEXT,                            -- payload segment file, offset and length (live groups)
+    off INTEGER,
+    len INTEGER,
     UNIQUE (tbl, group_id)
 );
 CREATE INDEX IF NOT EXISTS items_live ON items (tbl, removed, seq);
 CREATE TABLE IF NOT EXISTS counters (tbl TEXT, name TEXT, value INTEGER, PRIMARY KEY (tbl, name));
 """
-
-
-@dataclass
-class TableStats:
-    table: str
-    size: int
-    inserts: int
-    samples: int
-    duplicates: int
-    domain_counts: dict[str, int]
+NEW_COLUMNS = (("priority", "REAL NOT NULL DEFAULT 1.0"), ("times_sampled", "INTEGER NOT NULL DEFAULT 0"),
+               ("inserted_ms", "INTEGER NOT NULL DEFAULT 0"), ("seg", "TEXT"), ("off", "INTEGER"), ("len", "INTEGER"))
+MAX_CHUNK = 64  # groups per insert transaction: bounds how long an insert holds the lock
+COMPACT_EVERY_S = 5.0  # how often inserts look for sparse payload segments to compact
+CHECKPOINT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def validate_group(group: common_pb2.RolloutGroup, field: str = "group") -> None:
@@ -55,96 +74,464 @@ def validate_group(group: common_pb2.RolloutGroup, field: str = "group") -> None
         require(len(t.completion_token_ids) == len(t.completion_logprobs), f"{f}.completion_logprobs",
                 f"{len(t.completion_logprobs)} logprobs for {len(t.completion_token_ids)} completion tokens")
         require(len(t.completion_token_ids) > 0, f"{f}.completion_token_ids", "empty completion")
+        require(not t.group_id or t.group_id == group.group_id, f"{f}.group_id",
+                f"{t.group_id!r} in group {group.group_id!r}")
+        require(t.policy_version >= 0, f"{f}.policy_version", f"must be >= 0, got {t.policy_version}")
         require(t.HasField("reward"), f"{f}.reward", "unscored trajectory")
         require(t.reward.status == common_pb2.REWARD_STATUS_OK, f"{f}.reward.status",
                 f"reward not OK: {[c.error for c in t.reward.components if c.error]}")
-        require(t.reward.total == t.reward.total and abs(t.reward.total) != float("inf"), f"{f}.reward.total",
-                "NaN or inf")
+        require(math.isfinite(t.reward.total), f"{f}.reward.total", "NaN or inf")
+
+
+def validate_priority(priority: float, field: str) -> None:
+    require(math.isfinite(priority) and priority >= 0, field, f"must be finite and >= 0, got {priority}")
+
+
+@dataclass
+class InsertResult:
+    inserted: int = 0
+    duplicates: int = 0
+    stale: int = 0
+    evicted: int = 0
+    limiter: tuple[int, int, int] = (0, 0, 0)  # (inserts, samples, deletes) right after the last chunk
+
+
+@dataclass
+class SampleResult:
+    draws: list[Draw]
+    policy_version: int
+    limiter: tuple[int, int, int]  # (inserts, samples, deletes) right after this sample
+
+
+@dataclass
+class Prepared:
+    """A validated group ready for ``insert``: its key facts and its serialized bytes."""
+
+    group_id: str
+    domain: str
+    oldest_version: int
+    newest_version: int
+    priority: float | None
+    payload: bytes | memoryview
+    field: str  # how the request names this group, for errors
 
 
 class ReplayStore:
-    def __init__(self, path: str | Path, tables: list[str]):
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self.tables = set(tables)
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+    def __init__(self, path: str | Path, tables: dict[str, TableConfig] | list[str],
+                 checkpoint_dir: str | Path | None = None, fsync: bool = True):
+        """``fsync=False`` keeps every guarantee against a crash of this process (kill -9: what
+        was written is in the OS page cache) but not against an OS crash or power loss; it saves
+        two fsyncs per write transaction."""
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not isinstance(tables, dict):
+            tables = {name: TableConfig() for name in tables}
+        self.configs = dict(tables)
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else self.path.parent / "checkpoints"
+        self.log = PayloadLog(self.path.parent / f"{self.path.stem}-payloads", fsync=fsync)
+        self._cond = threading.Condition(threading.Lock())
+        self._closed = False
+        self._where: dict[int, tuple[str, int, int]] = {}  # seq -> (segment, offset, length) of live groups
+        self._pinned: set[str] = set()  # segments of tables no longer configured: never collected
+        self._garbage = False  # a segment may have lost its last reference
+        self._deferred: dict[int, int] = {}  # seq -> times_sampled not yet written
+        self._dirty: set[str] = set()  # tables whose counters are not yet written
+        self._last_compaction = time.monotonic()
+        self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(SCHEMA)
-        self._cond = threading.Condition()
+        self._db.execute(f"PRAGMA synchronous={'FULL' if fsync else 'NORMAL'}")
+        self._migrate()
+        self.tables: dict[str, Table] = {}
+        self._load()
 
-    def _check_table(self, table: str) -> None:
-        require(table in self.tables, "table", f"unknown table {table!r}; known: {sorted(self.tables)}")
+    # -- schema / loading ------------------------------------------------------------------------
+    def _migrate(self) -> None:
+        if self._db.execute("PRAGMA user_version").fetchone()[0] >= SCHEMA_VERSION:
+            return
+        old = {r[1] for r in self._db.execute("PRAGMA table_info(items)")}
+        self._db.execute("BEGIN IMMEDIATE")
+        for statement in SCHEMA.split(";"):
+            if statement.strip():
+                self._db.execute(statement)
+        if old:  # schema 0 (the walking skeleton's): bytes inline, none of the newer columns
+            for column, decl in NEW_COLUMNS:
+                if column not in old:
+                    self._db.execute(f"ALTER TABLE items ADD COLUMN {column} {decl}")
+            rows = self._db.execute("SELECT seq, data FROM items WHERE removed=0 AND data IS NOT NULL").fetchall()
+            for seq, data in rows:
+                seg, off = self.log.append(data)
+                self._db.execute("UPDATE items SET seg=?, off=?, len=?, data=NULL WHERE seq=?", (seg, off, len(data), seq))
+            self._db.execute("UPDATE items SET data=NULL WHERE data IS NOT NULL")
+            self.log.sync()
+        self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        self._db.execute("COMMIT")
 
-    def insert(self, table: str, groups: list[common_pb2.RolloutGroup]) -> tuple[int, int]:
-        """Store ``groups`` durably; returns (inserted, duplicates). All validated first."""
-        self._check_table(table)
-        for i, g in enumerate(groups):
-            validate_group(g, f"groups[{i}]" if len(groups) > 1 else "group")
-        inserted = 0
-        with self._cond:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                for g in groups:
-                    version = min(t.policy_version for t in g.trajectories)
-                    cur = self._db.execute(
-                        "INSERT OR IGNORE INTO items (tbl, group_id, domain, policy_version, data) VALUES (?,?,?,?,?)",
-                        (table, g.group_id, g.task.domain, version, g.SerializeToString()))
-                    inserted += cur.rowcount
-                duplicates = len(groups) - inserted
-                self._bump(table, inserts=inserted, duplicates=duplicates)
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._cond.notify_all()
-        return inserted, duplicates
+    def _load(self) -> None:
+        """(Re)build every table's in-memory index from disk, apply each config's limits, and
+        delete payload segments nothing references (left by a crash or a restore)."""
+        self.log.live.clear()
+        self._where.clear()
+        self._deferred.clear()
+        self._dirty.clear()
+        configured = sorted(self.configs)
+        marks = ",".join("?" * len(configured))
+        self._pinned = {r[0] for r in self._db.execute(
+            f"SELECT DISTINCT seg FROM items WHERE removed=0 AND seg IS NOT NULL AND tbl NOT IN ({marks})", configured)}
+        readers: dict[str, Callable[[int, int], bytes]] = {}
+        self.tables = {name: self._load_table(name, config, readers) for name, config in self.configs.items()}
+        self.log.collect(self._pinned)
 
-    def sample(self, table: str, batch_size: int, timeout: float, max_batch: int) -> list[common_pb2.RolloutGroup]:
-        """Take the oldest ``batch_size`` groups, waiting up to ``timeout`` seconds for them."""
-        self._check_table(table)
-        require(1 <= batch_size <= max_batch, "batch_size", f"must be in [1, {max_batch}], got {batch_size}")
-        require(timeout >= 0, "timeout_ms", "must be >= 0")
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while self._size(table) < batch_size:
+    def _load_table(self, name: str, config: TableConfig, readers: dict) -> Table:
+        table = Table(name, config)
+        counters = dict(self._db.execute("SELECT name, value FROM counters WHERE tbl=?", (name,)).fetchall())
+        table.policy_version = counters.get("policy_version", 0)
+        table.duplicates = counters.get("duplicates", 0)
+        for r in Removal:
+            table.removed[r] = counters.get(f"removed_{r.name.lower()}", 0)
+        rows = self._db.execute(
+            "SELECT seq, group_id, domain, policy_version, priority, times_sampled, inserted_ms, seg, off, len "
+            "FROM items WHERE tbl=? AND removed=0 ORDER BY seq", (name,))
+        for seq, gid, domain, version, priority, times_sampled, inserted_ms, seg, off, length in rows:
+            if seg not in readers:
+                readers[seg] = self.log.reader(seg)
+            table.load(seq, gid, domain, version, priority, readers[seg](off, length), inserted_ms, times_sampled)
+            self._where[seq] = (seg, off, length)
+            self.log.reference(seg, length)
+        table.limiter.inserts = counters.get("inserts", table.items.n)
+        table.limiter.samples = counters.get("samples", 0)
+        table.limiter.deletes = table.limiter.inserts - table.items.n  # size = inserts - deletes, by construction
+        removed = table.enforce_limits()  # a config may have changed since the items were written
+        if removed:
+            self._transaction(lambda: self._persist(table, removed), [table], reload=False)
+        return table
+
+    # -- plumbing --------------------------------------------------------------------------------
+    def _table(self, name: str, field: str = "table") -> Table:
+        if self._closed:
+            raise FailedPrecondition("the replay store is closed")
+        table = self.tables.get(name)
+        if table is None:
+            raise InvalidArgument(f"unknown table {name!r}; known: {sorted(self.tables)}", field=field)
+        return table
+
+    def _transaction(self, body: Callable[[], None], touched: list[Table], reload: bool = True) -> None:
+        """Run ``body``, write counters (and deferred sample bookkeeping), sync payloads, commit.
+
+        If anything fails the transaction is rolled back and, since ``body`` may have changed
+        the in-memory tables already, they are rebuilt from disk (the truth).
+        """
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            body()
+            if self._deferred:
+                self._db.executemany("UPDATE items SET times_sampled=? WHERE seq=?",
+                                     [(n, s) for s, n in self._deferred.items()])
+            written = {t.name: t for t in touched} | {n: self.tables[n] for n in self._dirty if n in self.tables}
+            for table in written.values():
+                self._write_counters(table)
+            self.log.sync()  # the bytes the new rows point at are on disk before the rows are
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            if reload:
+                self._load()
+            raise
+        self._deferred.clear()
+        self._dirty.clear()
+        if self._garbage:
+            self._garbage = False
+            self.log.collect(self._pinned)
+
+    def _write_counters(self, table: Table) -> None:
+        values = {"inserts": table.limiter.inserts, "samples": table.limiter.samples,
+                  "duplicates": table.duplicates, "policy_version": table.policy_version,
+                  **{f"removed_{r.name.lower()}": table.removed[r] for r in Removal if r != Removal.LIVE}}
+        self._db.executemany("INSERT OR REPLACE INTO counters (tbl, name, value) VALUES (?,?,?)",
+                             [(table.name, k, v) for k, v in values.items()])
+
+    def _persist(self, table: Table, removed: list[tuple[int, Removal]]) -> None:
+        """Record removals; their payload bytes are released (segments go once unreferenced)."""
+        if not removed:
+            return
+        self._db.executemany("UPDATE items SET removed=? WHERE seq=?", [(int(r), s) for s, r in removed])
+        for seq, _ in removed:
+            seg, _, length = self._where.pop(seq)
+            self.log.release(seg, length)
+            self._garbage |= self.log.live[seg] <= 0
+
+    def _wait(self, table: Table, side: str, deadline: float, not_ready: Callable[[], str | None],
+              field: str) -> None:
+        """Block (releasing the lock) until ``not_ready()`` is None; DEADLINE_EXCEEDED naming why."""
+        why = not_ready()
+        if why is None:
+            return
+        counter = f"waiting_{side}s"
+        setattr(table, counter, getattr(table, counter) + 1)
+        try:
+            while why is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise DeadlineExceeded(f"{self._size(table)} of {batch_size} groups available "
-                                           f"after {timeout:.1f}s", field="batch_size")
+                    raise DeadlineExceeded(f"table {table.name!r} not ready for {side}: {why}", field=field)
                 self._cond.wait(left)
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                rows = self._db.execute("SELECT seq, data FROM items WHERE tbl=? AND removed=0 ORDER BY seq LIMIT ?",
-                                        (table, batch_size)).fetchall()
-                self._db.executemany("UPDATE items SET removed=1, data=NULL WHERE seq=?", [(r[0],) for r in rows])
-                self._bump(table, samples=len(rows))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-        return [common_pb2.RolloutGroup.FromString(r[1]) for r in rows]
+                if self._closed:
+                    raise FailedPrecondition("the replay store is closing")
+                why = not_ready()
+        finally:
+            setattr(table, counter, getattr(table, counter) - 1)
 
-    def stats(self, table: str) -> TableStats:
-        self._check_table(table)
+    # -- insert ----------------------------------------------------------------------------------
+    def prepare(self, groups: list[common_pb2.RolloutGroup], priorities: list[float | None] | None = None,
+                fields: list[str] | None = None, payloads: list[bytes | memoryview | None] | None = None) -> list[Prepared]:
+        """Validate ``groups`` (INVALID_ARGUMENT naming the field) and take their bytes for ``insert``.
+
+        ``payloads[i]``, when given, must be ``groups[i]`` as received on the wire (it is stored
+        as is instead of serializing the parsed message again).
+        """
+        fields = fields or (["group"] if len(groups) == 1 else [f"groups[{i}]" for i in range(len(groups))])
+        priorities = priorities or [None] * len(groups)
+        payloads = payloads or [None] * len(groups)
+        out = []
+        for g, p, f, raw in zip(groups, priorities, fields, payloads):
+            validate_group(g, f)
+            if p is not None:
+                validate_priority(p, f"{f.removesuffix('.group')}.priority")
+            versions = [tr.policy_version for tr in g.trajectories]
+            out.append(Prepared(g.group_id, g.task.domain, min(versions), max(versions), p,
+                                raw if raw is not None else g.SerializeToString(), f))
+        return out
+
+    def insert(self, table: str, groups: list[common_pb2.RolloutGroup] | list[Prepared],
+               priorities: list[float | None] | None = None, timeout: float = 60.0,
+               fields: list[str] | None = None) -> InsertResult:
+        """Store ``groups`` durably, waiting up to ``timeout`` s for the rate limiter to let them in.
+
+        Every group is validated before anything is stored (``groups`` may also be what
+        ``prepare`` returned). On DEADLINE_EXCEEDED the groups before the blocked one are
+        stored, durably; inserting them again is a no-op (dedup by group_id).
+        """
+        t = self._table(table)
+        pending = groups if groups and isinstance(groups[0], Prepared) else self.prepare(groups, priorities, fields)
+        result = InsertResult()
+        deadline = time.monotonic() + timeout
         with self._cond:
-            counters = dict(self._db.execute("SELECT name, value FROM counters WHERE tbl=?", (table,)).fetchall())
-            domains = Counter(dict(self._db.execute(
-                "SELECT domain, COUNT(*) FROM items WHERE tbl=? AND removed=0 GROUP BY domain", (table,)).fetchall()))
-            return TableStats(table=table, size=self._size(table), inserts=counters.get("inserts", 0),
-                              samples=counters.get("samples", 0), duplicates=counters.get("duplicates", 0),
-                              domain_counts=dict(domains))
+            i = 0
+            while i < len(pending):
+                self._wait(t, "insert", deadline, partial(self._insert_blocked, table), pending[i].field)
+                t = self._table(table)  # a Restore may have replaced it while we waited
+                chunk = pending[i:i + t.limiter.insertable(min(MAX_CHUNK, len(pending) - i))]
+                self._transaction(partial(self._insert_chunk, t, chunk, result), [t])
+                i += len(chunk)
+                self._cond.notify_all()
+            result.limiter = (t.limiter.inserts, t.limiter.samples, t.limiter.deletes)
+            if time.monotonic() - self._last_compaction > COMPACT_EVERY_S:
+                self._compact()
+        return result
 
-    def _size(self, table: str) -> int:
-        return self._db.execute("SELECT COUNT(*) FROM items WHERE tbl=? AND removed=0", (table,)).fetchone()[0]
+    def _insert_blocked(self, table: str) -> str | None:
+        """Why an insert into ``table`` must wait now (None: it can go)."""
+        lim = self._table(table).limiter
+        if lim.can_insert(1):
+            return None
+        return (f"rate limiter: ({lim.inserts} inserts + 1) * {lim.samples_per_insert} - {lim.samples} samples > "
+                f"max_diff {lim.max_diff}")
 
-    def _bump(self, table: str, **deltas: int) -> None:
-        for name, delta in deltas.items():
-            self._db.execute("INSERT INTO counters (tbl, name, value) VALUES (?,?,?) "
-                             "ON CONFLICT (tbl, name) DO UPDATE SET value = value + excluded.value",
-                             (table, name, delta))
+    def _insert_chunk(self, t: Table, chunk: list[Prepared], result: InsertResult) -> None:
+        now_ms = int(time.time() * 1000)
+        ids = [p.group_id for p in chunk]
+        known = {r[0] for r in self._db.execute(
+            f"SELECT group_id FROM items WHERE tbl=? AND group_id IN ({','.join('?' * len(ids))})", [t.name, *ids])}
+        for p in chunk:
+            self._persist(t, t.observe_version(p.newest_version))
+            if p.group_id in known:
+                t.duplicates += 1
+                result.duplicates += 1
+                continue
+            known.add(p.group_id)
+            priority = p.priority if p.priority is not None else t.initial_priority()
+            if p.oldest_version < t.min_version():  # too stale already: remember the key, store nothing
+                self._db.execute("INSERT INTO items (tbl, group_id, domain, policy_version, removed, priority, "
+                                 "inserted_ms) VALUES (?,?,?,?,?,?,?)",
+                                 (t.name, p.group_id, p.domain, p.oldest_version, int(Removal.STALE_ON_INSERT),
+                                  priority, now_ms))
+                t.removed[Removal.STALE_ON_INSERT] += 1
+                result.stale += 1
+                continue
+            seg, off = self.log.append(p.payload)
+            seq = self._db.execute(
+                "INSERT INTO items (tbl, group_id, domain, policy_version, priority, inserted_ms, seg, off, len) "
+                "VALUES (?,?,?,?,?,?,?,?,?)",
+                (t.name, p.group_id, p.domain, p.oldest_version, priority, now_ms, seg, off, len(p.payload))).lastrowid
+            self._where[seq] = (seg, off, len(p.payload))
+            removed = t.add(seq, p.group_id, p.domain, p.oldest_version, priority, p.payload, now_ms)
+            self._persist(t, removed)
+            result.inserted += 1
+            result.evicted += len(removed)
+
+    # -- sample ----------------------------------------------------------------------------------
+    def sample(self, table: str, batch_size: int, timeout: float, max_batch: int,
+               current_policy_version: int | None = None,
+               importance_sampling_exponent: float | None = None) -> SampleResult:
+        """Draw ``batch_size`` groups, waiting up to ``timeout`` s until the table can give them."""
+        t = self._table(table)
+        require(1 <= batch_size <= max_batch, "batch_size", f"must be in [1, {max_batch}], got {batch_size}")
+        require(timeout >= 0, "timeout_ms", "must be >= 0")
+        if current_policy_version is not None:
+            require(current_policy_version >= 0, "current_policy_version", f"must be >= 0, got {current_policy_version}")
+        beta = t.config.importance_sampling_exponent
+        if importance_sampling_exponent is not None:
+            require(math.isfinite(importance_sampling_exponent) and importance_sampling_exponent >= 0,
+                    "importance_sampling_exponent", f"must be finite and >= 0, got {importance_sampling_exponent}")
+            beta = importance_sampling_exponent
+        limit = min(t.limiter.max_batch(), t.config.max_size * (t.config.max_times_sampled or math.inf))
+        require(batch_size <= limit, "batch_size",
+                f"{batch_size} can never be served by table {table!r}: its max_size, max_times_sampled and "
+                f"rate limiter band allow at most {limit} per sample")
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            if current_policy_version is not None and current_policy_version > t.policy_version:
+                self._transaction(lambda: self._persist(t, t.observe_version(current_policy_version)), [t])
+                self._cond.notify_all()
+            self._wait(t, "sample", deadline, lambda: t.not_ready(batch_size), "batch_size")
+            t = self._table(table)
+            draws, removed = t.sample(batch_size, beta)
+            times = {d.seq: d.times_sampled for d in draws}
+            if removed or t.config.max_times_sampled or math.isfinite(t.limiter.min_diff):
+                def body():
+                    self._db.executemany("UPDATE items SET times_sampled=? WHERE seq=?", [(n, s) for s, n in times.items()])
+                    self._persist(t, removed)
+
+                self._transaction(body, [t])  # a failure rolls the draws back (tables reloaded)
+            else:  # nothing a restart depends on changed: write it with the next transaction
+                self._deferred.update(times)
+                self._dirty.add(t.name)
+            self._cond.notify_all()
+            return SampleResult(draws, t.policy_version, (t.limiter.inserts, t.limiter.samples, t.limiter.deletes))
+
+    # -- priorities ------------------------------------------------------------------------------
+    def update_priorities(self, table: str, priorities: dict[str, float]) -> tuple[int, list[str]]:
+        """Set priorities (all validated first); returns (updated, group ids not stored)."""
+        self._table(table)
+        for gid, p in priorities.items():
+            validate_priority(p, f"priorities[{gid!r}]")
+        out: list = []
+        with self._cond:
+            t = self._table(table)
+
+            def body():
+                updated, unknown = t.update_priorities(priorities)
+                self._db.executemany("UPDATE items SET priority=? WHERE seq=?", [(p, s) for s, p in updated.items()])
+                out.append((len(updated), unknown))
+
+            self._transaction(body, [t])
+            self._cond.notify_all()
+        return out[0]
+
+    # -- stats -----------------------------------------------------------------------------------
+    def stats(self, table: str) -> TableStats:
+        with self._cond:
+            return self._table(table).stats(int(time.time() * 1000))
+
+    # -- payload segments ------------------------------------------------------------------------
+    def compact(self, min_fill: float = 0.25) -> int:
+        """Copy the live groups out of payload segments less than ``min_fill`` used, so the
+        segments can be deleted; returns how many groups moved. Inserts call it now and then."""
+        with self._cond:
+            return self._compact(min_fill)
+
+    def _compact(self, min_fill: float = 0.25) -> int:
+        self._last_compaction = time.monotonic()
+        sparse = set(self.log.sparse(min_fill))
+        if not sparse:
+            return 0
+        payload_of = {}
+        for t in self.tables.values():
+            for seq, i in t.items.pos.items():
+                if self._where[seq][0] in sparse:
+                    payload_of[seq] = t.items.payload[i]  # from memory: no disk read
+        moved: dict[int, tuple[str, int, int]] = {}
+
+        def body():
+            for seq, payload in payload_of.items():
+                seg, off = self.log.append(payload)
+                moved[seq] = (seg, off, len(payload))
+            self._db.executemany("UPDATE items SET seg=?, off=? WHERE seq=?",
+                                 [(seg, off, seq) for seq, (seg, off, _) in moved.items()])
+            for seq, where in moved.items():
+                old_seg, _, length = self._where[seq]
+                self.log.release(old_seg, length)
+                self._where[seq] = where
+            self._garbage = True
+
+        self._transaction(body, [])
+        return len(moved)
+
+    # -- checkpoint / restore --------------------------------------------------------------------
+    def checkpoint(self) -> tuple[str, int, dict[str, int]]:
+        """Write a consistent copy of the whole store; returns (checkpoint id, bytes, table sizes)."""
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        with self._cond:
+            if self._closed:
+                raise FailedPrecondition("the replay store is closed")
+            self._transaction(lambda: None, [])  # write what samples deferred
+            ckpt_id = time.strftime("replay-%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{time.time_ns() % 10**9:09d}"
+            final = self.checkpoint_dir / ckpt_id
+            tmp = self.checkpoint_dir / f".{ckpt_id}.tmp"
+            tmp.mkdir()
+            dest = sqlite3.connect(str(tmp / "replay.sqlite"))
+            try:
+                self._db.backup(dest)
+                dest.execute("PRAGMA journal_mode=DELETE")
+            finally:
+                dest.close()
+            _fsync(tmp / "replay.sqlite")
+            segments = {r[0] for r in self._db.execute("SELECT DISTINCT seg FROM items WHERE removed=0 AND seg IS NOT NULL")}
+            self.log.export(segments, tmp / "payloads")
+            _fsync(tmp)
+            tmp.replace(final)
+            _fsync(self.checkpoint_dir)
+            sizes = {name: t.items.n for name, t in self.tables.items()}
+        return ckpt_id, sum(f.stat().st_size for f in final.rglob("*") if f.is_file()), sizes
+
+    def restore(self, checkpoint_id: str) -> dict[str, int]:
+        """Replace the whole store (every table, counters, dedup keys) with a checkpoint's contents."""
+        require(bool(CHECKPOINT_ID.match(checkpoint_id)), "checkpoint_id", f"malformed id {checkpoint_id!r}")
+        source = self.checkpoint_dir / checkpoint_id
+        if not (source / "replay.sqlite").is_file():
+            raise NotFound(f"no checkpoint {checkpoint_id!r} in {self.checkpoint_dir}", field="checkpoint_id")
+        with self._cond:
+            if self._closed:
+                raise FailedPrecondition("the replay store is closed")
+            self.log.adopt(source / "payloads")  # first the bytes, then the rows that point at them
+            src = sqlite3.connect(f"file:{source / 'replay.sqlite'}?mode=ro", uri=True)
+            try:
+                src.backup(self._db)
+            finally:
+                src.close()
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._migrate()
+            self._load()
+            self._cond.notify_all()
+            return {name: t.items.n for name, t in self.tables.items()}
 
     def close(self) -> None:
-        self._db.close()
+        with self._cond:
+            if self._closed:
+                return
+            if self._deferred or self._dirty:
+                self._transaction(lambda: None, [], reload=False)
+            self._closed = True
+            self._cond.notify_all()
+            self._db.close()
+            self.log.close()
 
 
-__all__ = ["ReplayStore", "TableStats", "validate_group", "InvalidArgument"]
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+__all__ = ["ReplayStore", "InsertResult", "SampleResult", "Prepared", "TableConfig", "validate_group",
+           "validate_priority", "InvalidArgument"]

@@ -1,68 +1,281 @@
-"""Scoring: verifiers per domain, registered by name; composite total from the components.
+"""Scoring: a group's trajectories -> composite rewards (verifiers, reward models, penalties). No gRPC.
 
-Pure domain logic (no gRPC, no Kafka). A group with a bad request (unknown domain, missing
-reference) raises InvalidArgument for synchronous callers; ``score_or_mark`` instead returns
-the group with every reward carrying an explicit ERROR status, for the stream path where the
-sample must go on, marked, rather than vanish or get a silent 0.
+``Scorer.score_group`` validates the group (a bad request raises InvalidArgument naming the
+field: unknown domain or verifier, missing or malformed reference, completion beyond the size
+limit, empty or oversized group), then computes each component the domain's spec weighs
+(``settings.RewardSettings``) and composes them (``composite.compose``). Reward-model requests
+are submitted first, so their batched forward runs while the verifiers work.
+
+``Scorer.score_or_mark`` is the stream path: a group that is a bad request comes back with every
+trajectory's Reward carrying an explicit ERROR status (it must go on, marked, rather than vanish
+or get a silent 0). ``SandboxUnavailable`` is not a bad request: it propagates so the caller
+retries (or, configured so, the code verifier marks its components ERROR itself).
+
+Determinism: the same group scored twice gives the same rewards (verifiers are pure functions of
+the completion and the task; the reward models run in eval mode), up to float rounding of a
+forward batched with different neighbours.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
 
-from temper.runtime.errors import InvalidArgument, require
-from temper.tasks import toy
+from temper.reward.composite import aggregate_steps, compose, length_penalty, refusal_matcher, safety_check
+from temper.reward.models import MalformedSteps, RewardModelEngine, SequenceTooLong, split_steps
+from temper.reward.settings import MODEL_COMPONENTS, DomainSpec, RewardSettings
+from temper.reward.verifiers import Check, Verifier, short
+from temper.reward.verifiers.code import RunTests, SandboxUnavailable, sandbox_runner
+from temper.reward.verifiers.registry import verifier_of
+from temper.runtime.errors import FailedPrecondition, InvalidArgument, require
+from temper.runtime.logs import get_logger
 from temper.v1 import common_pb2
 
-MAX_COMPLETION_CHARS = 1 << 20
+_log = get_logger(component="reward")
+FLAG_VALUES = ("refuse", "true", "1", "yes")
 
 
-@dataclass(frozen=True)
-class Verifier:
-    name: str
-    score: Callable[[str, str], float]  # (completion text, reference answer) -> reward in [0, 1]
-    needs_reference: bool = True
+class Scorer:
+    """Scores groups; thread-safe (the Score RPC and the stream consumer share one)."""
+
+    def __init__(self, settings: RewardSettings | None = None, sandbox: RunTests | None = None,
+                 rm: RewardModelEngine | None = None, prm: RewardModelEngine | None = None):
+        self.settings = settings or RewardSettings()
+        self.sandbox = sandbox
+        self.rm = rm
+        self.prm = prm
+        for name, spec in self.settings.domains.items():
+            if "rm" in spec.weights and rm is None:
+                raise FailedPrecondition(f"domains.{name} weighs 'rm' but no reward model is loaded (set [reward.rm] dir)")
+            if "prm" in spec.weights and prm is None:
+                raise FailedPrecondition(f"domains.{name} weighs 'prm' but no process reward model is loaded "
+                                         "(set [reward.prm] dir)")
+        if prm is not None and not prm.per_token:
+            raise FailedPrecondition(f"{prm.model_dir} is a sequence classifier; a process reward model needs per-token "
+                                     "scores (*ForTokenClassification)")
+        self._refusal = refusal_matcher(self.settings.safety.refusal_patterns)
+        self._verifiers: dict[str, Verifier] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_settings(cls, settings: RewardSettings) -> Scorer:
+        """Loads the configured reward models and connects to the configured sandbox."""
+        def engine(options):
+            if not options.dir:
+                return None
+            return RewardModelEngine(options.dir, options.max_batch_size, options.max_wait_ms, options.max_tokens,
+                                     options.threads)
+
+        sandbox = sandbox_runner(settings.sandbox_address) if settings.sandbox_address else None
+        return cls(settings, sandbox=sandbox, rm=engine(settings.rm), prm=engine(settings.prm))
+
+    def verifier(self, name: str) -> Verifier:
+        with self._lock:
+            if name not in self._verifiers:
+                cls = verifier_of(name)
+                assert cls is not None, name
+                self._verifiers[cls.name] = cls(self.settings, sandbox=self.sandbox)
+                for component in cls.components:
+                    self._verifiers[component] = self._verifiers[cls.name]
+            return self._verifiers[name]
+
+    def close(self) -> None:
+        with self._lock:
+            for v in {id(v): v for v in self._verifiers.values()}.values():
+                v.close()
+            self._verifiers.clear()
+        for engine in (self.rm, self.prm):
+            if engine is not None:
+                engine.close()
+
+    # -- validation -----------------------------------------------------------------------------
+    def domain_spec(self, domain: str) -> DomainSpec:
+        found = self.settings.domain_spec(domain)
+        require(found is not None, "group.task.domain",
+                f"unknown domain {domain!r}; known: {sorted(self.settings.domains)} (and their sub-domains)")
+        return found[1]
+
+    def _weights(self, task: common_pb2.Task, spec: DomainSpec) -> dict[str, float]:
+        weights = dict(spec.weights)
+        override = task.metadata.get("verifier")
+        if override is not None:
+            require(verifier_of(override) is not None, "group.task.metadata[verifier]",
+                    f"unknown verifier component {override!r}")
+            weights = {k: v for k, v in weights.items() if k in MODEL_COMPONENTS} | {override: 1.0}
+        return weights
+
+    # -- scoring --------------------------------------------------------------------------------
+    def score_group(self, group: common_pb2.RolloutGroup) -> common_pb2.RolloutGroup:
+        """A copy of ``group`` with ``reward`` set on every trajectory."""
+        s = self.settings
+        task = group.task
+        require(bool(group.group_id), "group.group_id", "required")
+        spec = self.domain_spec(task.domain)
+        require(len(group.trajectories) > 0, "group.trajectories", "empty group")
+        require(len(group.trajectories) <= s.max_group_size, "group.trajectories",
+                f"{len(group.trajectories)} trajectories > max_group_size {s.max_group_size}")
+        for i, traj in enumerate(group.trajectories):
+            require(len(traj.completion_text) <= s.max_completion_chars, f"group.trajectories[{i}].completion_text",
+                    f"{len(traj.completion_text)} characters > max_completion_chars {s.max_completion_chars}")
+        weights = self._weights(task, spec)
+        flagged = task.metadata.get(s.safety.flag_key, "").strip().lower() in FLAG_VALUES
+        if flagged:
+            # a flagged prompt is scored by its safety term (weight 1 unless the domain names one), not
+            # by verifiers that check an answer
+            weights.setdefault("safety", 1.0)
+
+        # which verifiers run, and what each needs from the task (bad tasks are refused here, before any work)
+        verifiers: dict[str, Verifier] = {}
+        for component in weights:
+            if component in MODEL_COMPONENTS:
+                continue
+            v = self.verifier(component)
+            if flagged and v.needs_reference:
+                continue  # a flagged prompt's target is the refusal, not an answer
+            verifiers[v.name] = v
+        prepared = {}
+        for name, v in verifiers.items():
+            if v.needs_reference:
+                require(bool(task.reference_answer.strip()), "group.task.reference_answer",
+                        f"domain {task.domain!r} ({name}) needs a reference answer")
+            prepared[name] = v.prepare(task, "group.task")
+
+        completions = [t.completion_text for t in group.trajectories]
+        rm_futures = self._submit_rm(task.prompt, completions) if "rm" in weights else None
+        prm_futures = self._submit_prm(task.prompt, completions) if "prm" in weights else None
+
+        checks: list[list[Check]] = [[] for _ in completions]
+        for name, v in verifiers.items():
+            for mine, theirs in zip(checks, self._verify(v, completions, prepared[name])):
+                mine.extend(theirs)
+        step_rewards: list[list[float]] = [[] for _ in completions]
+        if rm_futures is not None:
+            for mine, check in zip(checks, self._collect_rm(rm_futures)):
+                mine.append(check)
+        if prm_futures is not None:
+            for i, (check, steps) in enumerate(self._collect_prm(prm_futures, spec.prm_aggregation)):
+                checks[i].append(check)
+                step_rewards[i] = steps
+        if "length_penalty" in weights:
+            for mine, traj in zip(checks, group.trajectories):
+                n = len(traj.completion_token_ids)
+                mine.append(Check("length_penalty", length_penalty(n, spec.length_penalty), detail=f"{n} tokens")
+                            if n else Check("length_penalty", error="trajectory has no completion_token_ids"))
+        if "safety" in weights:
+            for mine, text in zip(checks, completions):
+                mine.append(safety_check(text, flagged, self._refusal))
+
+        scored = common_pb2.RolloutGroup()
+        scored.CopyFrom(group)
+        for traj, mine, steps in zip(scored.trajectories, checks, step_rewards):
+            traj.reward.CopyFrom(compose(mine, weights, steps))
+        return scored
+
+    def _verify(self, v: Verifier, completions: Sequence[str], prepared) -> list[list[Check]]:
+        try:
+            return v.verify(completions, prepared)
+        except (InvalidArgument, SandboxUnavailable):
+            raise
+        except Exception as e:  # noqa: BLE001 - a verifier bug must not block the stream: explicit ERROR
+            _log.exception("verifier failed", verifier=v.name)
+            return [[Check(c, error=short(f"{v.name} failed: {type(e).__name__}: {e}")) for c in v.components]
+                    for _ in completions]
+
+    def _submit_rm(self, prompt: str, completions: Sequence[str]) -> list[Future | Check]:
+        out: list[Future | Check] = []
+        encoded, slots = [], []
+        for i, c in enumerate(completions):
+            try:
+                encoded.append(self.rm.encode(prompt, [c], allow_empty=True))
+                slots.append(i)
+                out.append(None)  # type: ignore[arg-type]
+            except (SequenceTooLong, MalformedSteps) as e:
+                out.append(Check("rm", error=short(str(e))))
+        for i, f in zip(slots, self.rm.submit(encoded) if encoded else []):
+            out[i] = f
+        return out
+
+    def _submit_prm(self, prompt: str, completions: Sequence[str]) -> list[tuple[Future, int] | Check]:
+        out: list = []
+        encoded, slots = [], []
+        for i, c in enumerate(completions):
+            steps = split_steps(c, self.settings.prm_step_delimiter)
+            try:
+                if not steps or not c.strip():
+                    raise MalformedSteps("no steps (empty completion)")
+                if len(steps) > self.settings.prm_max_steps:
+                    raise MalformedSteps(f"{len(steps)} steps > prm_max_steps {self.settings.prm_max_steps}")
+                encoded.append(self.prm.encode(prompt, steps))
+                slots.append(i)
+                out.append(None)
+            except (SequenceTooLong, MalformedSteps) as e:
+                out.append(Check("prm", error=short(f"malformed steps: {e}" if isinstance(e, MalformedSteps) else str(e))))
+        for i, f in zip(slots, self.prm.submit(encoded) if encoded else []):
+            out[i] = f
+        return out
+
+    @staticmethod
+    def _collect_rm(pending: list) -> list[Check]:
+        out = []
+        for p in pending:
+            if isinstance(p, Check):
+                out.append(p)
+                continue
+            try:
+                out.append(Check("rm", p.result()[-1]))
+            except Exception as e:  # noqa: BLE001 - the forward failed: explicit ERROR, never a 0
+                out.append(Check("rm", error=short(f"reward model failed: {type(e).__name__}: {e}")))
+        return out
+
+    @staticmethod
+    def _collect_prm(pending: list, how: str) -> list[tuple[Check, list[float]]]:
+        out = []
+        for p in pending:
+            if isinstance(p, Check):
+                out.append((p, []))
+                continue
+            try:
+                steps = p.result()
+            except Exception as e:  # noqa: BLE001
+                out.append((Check("prm", error=short(f"process reward model failed: {type(e).__name__}: {e}")), []))
+                continue
+            out.append((Check("prm", aggregate_steps(steps, how), detail=f"{len(steps)} steps, {how}"), steps))
+        return out
+
+    def score_or_mark(self, group: common_pb2.RolloutGroup) -> common_pb2.RolloutGroup:
+        """``score_group``, or the group with an ERROR reward on every trajectory saying why."""
+        try:
+            return self.score_group(group)
+        except InvalidArgument as e:
+            return mark(group, str(e))
 
 
-VERIFIERS: dict[str, Verifier] = {
-    "exact_answer": Verifier("exact_answer", toy.exact_answer_reward),
-}
-# domain -> verifier name
-DOMAIN_VERIFIERS: dict[str, str] = {domain: "exact_answer" for domain in toy.GENERATORS}
+def mark(group: common_pb2.RolloutGroup, error: str) -> common_pb2.RolloutGroup:
+    marked = common_pb2.RolloutGroup()
+    marked.CopyFrom(group)
+    for traj in marked.trajectories:
+        traj.reward.CopyFrom(common_pb2.Reward(status=common_pb2.REWARD_STATUS_ERROR, components=[
+            common_pb2.RewardComponent(name="request", status=common_pb2.REWARD_STATUS_ERROR, error=error)]))
+    return marked
+
+
+_default: Scorer | None = None
+_default_lock = threading.Lock()
+
+
+def default_scorer() -> Scorer:
+    """A Scorer with the default settings (no reward models, no sandbox), built once."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Scorer()
+        return _default
 
 
 def score_group(group: common_pb2.RolloutGroup) -> common_pb2.RolloutGroup:
-    """Return a copy of ``group`` with ``reward`` set on every trajectory."""
-    domain = group.task.domain
-    require(bool(group.group_id), "group.group_id", "required")
-    require(domain in DOMAIN_VERIFIERS, "group.task.domain",
-            f"unknown domain {domain!r}; known: {sorted(DOMAIN_VERIFIERS)}")
-    verifier = VERIFIERS[DOMAIN_VERIFIERS[domain]]
-    require(not verifier.needs_reference or bool(group.task.reference_answer.strip()),
-            "group.task.reference_answer", f"domain {domain!r} needs a reference answer")
-    require(len(group.trajectories) > 0, "group.trajectories", "empty group")
-    scored = common_pb2.RolloutGroup()
-    scored.CopyFrom(group)
-    for i, traj in enumerate(scored.trajectories):
-        require(len(traj.completion_text) <= MAX_COMPLETION_CHARS, f"group.trajectories[{i}].completion_text",
-                f"longer than {MAX_COMPLETION_CHARS} characters")
-        value = verifier.score(traj.completion_text, group.task.reference_answer)
-        traj.reward.CopyFrom(common_pb2.Reward(
-            total=value, status=common_pb2.REWARD_STATUS_OK,
-            components=[common_pb2.RewardComponent(name=verifier.name, value=value, weight=1.0,
-                                                   status=common_pb2.REWARD_STATUS_OK)]))
-    return scored
+    return default_scorer().score_group(group)
 
 
 def score_or_mark(group: common_pb2.RolloutGroup) -> common_pb2.RolloutGroup:
-    """``score_group``, or the group with an ERROR reward on every trajectory saying why."""
-    try:
-        return score_group(group)
-    except InvalidArgument as e:
-        marked = common_pb2.RolloutGroup()
-        marked.CopyFrom(group)
-        for traj in marked.trajectories:
-            traj.reward.CopyFrom(common_pb2.Reward(status=common_pb2.REWARD_STATUS_ERROR, components=[
-                common_pb2.RewardComponent(name="request", status=common_pb2.REWARD_STATUS_ERROR, error=str(e))]))
-        return marked
+    return default_scorer().score_or_mark(group)

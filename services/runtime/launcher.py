@@ -141,6 +141,8 @@ class Launcher:
                      "--groups-per-step", str(cfg.get("job", {}).get("prompts_per_step", 16))]
         if name == "scheduler":
             args += ["--inference-address", addresses["inference"]]
+        if name == "reward":
+            args += ["--sandbox-address", addresses["sandbox"]]
         return self._start(Proc(name, 0, addresses[name], str(logs / f"{name}.log"), metrics_port, args))
 
     @staticmethod

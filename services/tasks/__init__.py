@@ -1,0 +1,38 @@
+"""Task domains: what the scheduler asks and the reward service checks.
+
+Families by prefix: ``toy.*`` (tiny-vocabulary exact answers, ``toy``), ``math.*`` (LaTeX
+answers, ``math_problems``), ``code.*`` (test suites run in the sandbox, ``code_problems``),
+``rg.<family>`` (reasoning-gym's procedural tasks, ``gym``). Modules are imported on first use
+(reasoning-gym and sympy take a second to import).
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+
+from temper.runtime.errors import InvalidArgument
+from temper.v1 import common_pb2
+
+FAMILIES = {"toy": "temper.tasks.toy", "math": "temper.tasks.math_problems", "code": "temper.tasks.code_problems",
+            "rg": "temper.tasks.gym"}
+
+
+def _module(domain: str):
+    family = domain.split(".", 1)[0]
+    if family not in FAMILIES:
+        raise InvalidArgument(f"unknown domain {domain!r}; families: {sorted(FAMILIES)}", field="domains")
+    return importlib.import_module(FAMILIES[family])
+
+
+def domains() -> list[str]:
+    """Every concrete domain name."""
+    out = []
+    for family, name in FAMILIES.items():
+        module = importlib.import_module(name)
+        out += [f"rg.{f}" for f in module.families()] if family == "rg" else sorted(module.GENERATORS)
+    return out
+
+
+def make_task(domain: str, rng: random.Random, task_id: str) -> common_pb2.Task:
+    return _module(domain).make_task(domain, rng, task_id)

@@ -99,7 +99,7 @@ def test_replay(stack):
     bad.trajectories[0].completion_logprobs.append(-1.0)
     expect(IA, "group.trajectories[0].completion_logprobs", c.insert, [bad])
     expect(IA, "requests[0].group", c.stub.Insert, iter([replay_pb2.InsertRequest(table="default")]), timeout=10)
-    expect(grpc.StatusCode.UNIMPLEMENTED, "", c.stub.UpdatePriorities, replay_pb2.UpdatePrioritiesRequest(), timeout=10)
+    expect(IA, "table", c.stub.UpdatePriorities, replay_pb2.UpdatePrioritiesRequest(), timeout=10)
     assert c.stats().table == "default"
     assert check_health(addr) == "SERVING"
 
@@ -121,8 +121,8 @@ def test_learner_and_monitor(stack):
     addrs = clients(stack)
     status = LearnerClient(addrs["learner"]).status()
     assert status.algorithm == "grpo+ppo_clip"
-    expect(grpc.StatusCode.UNIMPLEMENTED, "", LearnerClient(addrs["learner"]).stub.Checkpoint,
-           learner_pb2.CheckpointRequest(), timeout=10)
+    expect(grpc.StatusCode.INVALID_ARGUMENT, "path", LearnerClient(addrs["learner"]).stub.Checkpoint,
+           learner_pb2.CheckpointRequest(path="../../outside"), timeout=10)
     MonitorClient(addrs["monitor"]).reward_curve("no-such-domain")  # empty, not an error
     for name, addr in addrs.items():
         assert check_health(addr) == "SERVING", name

@@ -17,15 +17,18 @@ def group(gid: str, n: int = 2, domain: str = "toy.copy") -> common_pb2.RolloutG
 def test_fifo_dedup_and_durability(tmp_path):
     path = tmp_path / "r.sqlite"
     store = ReplayStore(path, ["default"])
-    assert store.insert("default", [group("a"), group("b")]) == (2, 0)
-    assert store.insert("default", [group("a")]) == (0, 1)
+    r = store.insert("default", [group("a"), group("b")])
+    assert (r.inserted, r.duplicates) == (2, 0)
+    r = store.insert("default", [group("a")])
+    assert (r.inserted, r.duplicates) == (0, 1)
     store.close()
     store = ReplayStore(path, ["default"])  # reopen: everything acknowledged is still there
-    got = store.sample("default", 1, timeout=0, max_batch=10)
+    got = [common_pb2.RolloutGroup.FromString(d.payload) for d in store.sample("default", 1, timeout=0, max_batch=10).draws]
     assert [g.group_id for g in got] == ["a"]
     assert len(got[0].trajectories) == 2  # groups whole
     # a sampled (removed) group is still known: redelivery does not re-admit it
-    assert store.insert("default", [group("a")]) == (0, 1)
+    r = store.insert("default", [group("a")])
+    assert (r.inserted, r.duplicates) == (0, 1)
     s = store.stats("default")
     assert (s.size, s.inserts, s.samples, s.duplicates) == (1, 2, 1, 2)
     assert s.domain_counts == {"toy.copy": 1}
@@ -34,7 +37,7 @@ def test_fifo_dedup_and_durability(tmp_path):
 def test_sample_waits_then_times_out(tmp_path):
     store = ReplayStore(tmp_path / "r.sqlite", ["default"])
     threading.Timer(0.2, lambda: store.insert("default", [group("late")])).start()
-    assert [g.group_id for g in store.sample("default", 1, timeout=5, max_batch=10)] == ["late"]
+    assert [d.group_id for d in store.sample("default", 1, timeout=5, max_batch=10).draws] == ["late"]
     with pytest.raises(DeadlineExceeded):
         store.sample("default", 1, timeout=0.1, max_batch=10)
 

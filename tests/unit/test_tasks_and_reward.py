@@ -50,3 +50,26 @@ def test_bad_groups_name_the_field(group, field):
     assert e.value.field == field
     marked = score_or_mark(group)
     assert all(t.reward.status == common_pb2.REWARD_STATUS_ERROR for t in marked.trajectories)
+
+
+def test_task_registry_dispatches_every_family():
+    from temper import tasks
+
+    names = tasks.domains()
+    assert {"toy.copy", "math.inequality", "code.fibonacci", "rg.countdown"} <= set(names)
+    assert "rg.composite" not in names  # needs a list of families to mix
+    rng = random.Random(0)
+    for domain in ("toy.next", "math.fraction_sum", "code.sum_numbers", "rg.basic_arithmetic"):
+        task = tasks.make_task(domain, rng, "t")
+        assert task.domain == domain and task.prompt
+    for bad in ("nope", "math.nope", "rg.nope", ""):
+        with pytest.raises(InvalidArgument) as e:
+            tasks.make_task(bad, rng, "t")
+        assert e.value.field == "domains"
+
+
+def test_oversized_completion_names_the_trajectory():
+    g = _group(texts=("4", "x" * (2 << 20)))
+    with pytest.raises(InvalidArgument) as e:
+        score_group(g)
+    assert e.value.field == "group.trajectories[1].completion_text"

@@ -1,0 +1,226 @@
+"""Batches of the learner: scored groups -> validated plain tensors -> packed model inputs.
+
+Bad input never reaches the model: ``batch_from_groups`` and ``Batch.validate`` raise
+InvalidArgument naming the offending field (the step is skipped and counted by the caller).
+
+Packing: the sequences (prompt + completion) of a micro-batch are laid out in rows of at most
+``capacity`` tokens by first-fit decreasing; within a row each sequence has its own position ids
+(0, 1, ...) and the model's attention is block-diagonal causal (transformers derives it from the
+position ids when no attention mask is given), so a sequence never sees another. Without
+packing each sequence gets its own right-padded row and an attention mask. Only the hidden states
+at positions that predict a completion token are gathered, so the LM head never runs on prompt
+tokens or padding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from temper.runtime.errors import require
+from temper.v1 import common_pb2
+
+
+@dataclass
+class Batch:
+    """Plain tensors of one batch; sequence i = prompts[i] + completions[i]."""
+
+    prompts: list[list[int]]
+    completions: list[list[int]]
+    old_logprobs: torch.Tensor  # [T] behaviour log p of every completion token, in order (nats)
+    temperatures: torch.Tensor  # [B] sampling temperature the logprobs were computed at
+    rewards: torch.Tensor  # [B]
+    group_index: torch.Tensor  # [B]
+    policy_versions: torch.Tensor  # [B] version of the weights that sampled each sequence
+    domains: list[str]
+    job_id: str
+    group_ids: list[str] | None = None  # [G] stable ids of the groups (data position in checkpoints)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """[B] completion tokens per sequence."""
+        return torch.tensor([len(c) for c in self.completions], dtype=torch.long)
+
+    def validate(self, vocab_size: int | None = None, context_length: int | None = None) -> None:
+        """InvalidArgument naming the field unless every shape agrees and every number is finite."""
+        n = len(self.completions)
+        require(n > 0, "completions", "empty batch")
+        for name, size in [("prompts", len(self.prompts)), ("temperatures", len(self.temperatures)),
+                           ("rewards", len(self.rewards)), ("group_index", len(self.group_index)),
+                           ("policy_versions", len(self.policy_versions)), ("domains", len(self.domains))]:
+            require(size == n, name, f"{size} entries for {n} sequences")
+        total = 0
+        for i, (p, c) in enumerate(zip(self.prompts, self.completions)):
+            require(len(p) > 0, f"prompts[{i}]", "empty prompt")
+            require(len(c) > 0, f"completions[{i}]", "empty completion")
+            if context_length is not None:
+                require(len(p) + len(c) <= context_length, f"completions[{i}]",
+                        f"{len(p)} + {len(c)} tokens exceed the model's context of {context_length}")
+            total += len(c)
+        require(self.old_logprobs.numel() == total, "old_logprobs",
+                f"{self.old_logprobs.numel()} logprobs for {total} completion tokens")
+        for name, values, bad, rule in [
+                ("old_logprobs", self.old_logprobs, ~torch.isfinite(self.old_logprobs) | (self.old_logprobs > 0),
+                 "finite and <= 0"),
+                ("rewards", self.rewards, ~torch.isfinite(self.rewards), "finite"),
+                ("temperatures", self.temperatures, ~torch.isfinite(self.temperatures) | (self.temperatures <= 0),
+                 "finite and > 0")]:
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0])
+                require(False, f"{name}[{i}]", f"is {values[i].item()}; must be {rule}")
+        require(bool((self.group_index >= 0).all()), "group_index", "must be >= 0")
+        if vocab_size is not None:
+            for name, seqs in (("prompts", self.prompts), ("completions", self.completions)):
+                for i, s in enumerate(seqs):
+                    if min(s) < 0 or max(s) >= vocab_size:
+                        require(False, f"{name}[{i}]", f"token ids must be in [0, {vocab_size})")
+
+    def subset(self, keep: list[int]) -> Batch:
+        """The sequences ``keep`` (in order), groups renumbered 0..G'-1."""
+        offsets = [0, *torch.cumsum(self.lengths, 0).tolist()]
+        old = torch.cat([self.old_logprobs[offsets[i]:offsets[i + 1]] for i in keep]) if keep else self.old_logprobs[:0]
+        idx = torch.tensor(keep, dtype=torch.long)
+        _, group_index = torch.unique(self.group_index[idx], return_inverse=True)
+        kept_groups = sorted({int(self.group_index[i]) for i in keep})
+        return Batch([self.prompts[i] for i in keep], [self.completions[i] for i in keep], old,
+                     self.temperatures[idx], self.rewards[idx], group_index, self.policy_versions[idx],
+                     [self.domains[i] for i in keep], self.job_id,
+                     [self.group_ids[g] for g in kept_groups] if self.group_ids is not None else None)
+
+
+def batch_from_groups(groups: list[common_pb2.RolloutGroup]) -> Batch:
+    """Scored groups -> Batch; InvalidArgument naming ``groups[g].trajectories[t].<field>`` if bad."""
+    require(len(groups) > 0, "groups", "empty batch")
+    prompts, completions, old, temps, rewards, gidx, versions, domains = [], [], [], [], [], [], [], []
+    for g_i, group in enumerate(groups):
+        require(len(group.trajectories) > 0, f"groups[{g_i}].trajectories", "empty group")
+        for t_i, t in enumerate(group.trajectories):
+            field = f"groups[{g_i}].trajectories[{t_i}]"
+            require(len(t.completion_token_ids) > 0, f"{field}.completion_token_ids", "empty completion")
+            require(len(t.prompt_token_ids) > 0, f"{field}.prompt_token_ids", "empty prompt")
+            require(len(t.completion_logprobs) == len(t.completion_token_ids), f"{field}.completion_logprobs",
+                    f"{len(t.completion_logprobs)} logprobs for {len(t.completion_token_ids)} tokens")
+            require(all(math.isfinite(x) and x <= 0 for x in t.completion_logprobs), f"{field}.completion_logprobs",
+                    "must be finite and <= 0")
+            require(t.reward.status == common_pb2.REWARD_STATUS_OK, f"{field}.reward.status", "reward not OK")
+            require(math.isfinite(t.reward.total), f"{field}.reward.total", "NaN or inf")
+            require(math.isfinite(t.sampling_temperature) and t.sampling_temperature >= 0,
+                    f"{field}.sampling_temperature", "must be finite and >= 0")
+            require(t.policy_version >= 0, f"{field}.policy_version", "must be >= 0")
+            prompts.append(list(t.prompt_token_ids))
+            completions.append(list(t.completion_token_ids))
+            old.extend(t.completion_logprobs)
+            temps.append(t.sampling_temperature if t.sampling_temperature > 0 else 1.0)
+            rewards.append(t.reward.total)
+            gidx.append(g_i)
+            versions.append(t.policy_version)
+            domains.append(group.task.domain)
+    return Batch(prompts, completions, torch.tensor(old), torch.tensor(temps), torch.tensor(rewards, dtype=torch.float32),
+                 torch.tensor(gidx), torch.tensor(versions), domains, groups[0].job_id, [g.group_id for g in groups])
+
+
+@dataclass
+class ModelInputs:
+    """One micro-batch laid out for the model, and where its completion tokens are predicted."""
+
+    input_ids: torch.Tensor  # [R, L]
+    position_ids: torch.Tensor | None  # [R, L] (packed layout)
+    attention_mask: torch.Tensor | None  # [R, L] (padded layout)
+    rows: torch.Tensor  # [t] row of the position whose hidden state predicts completion token k
+    cols: torch.Tensor  # [t] its column
+    targets: torch.Tensor  # [t] the completion token ids
+    temperatures: torch.Tensor  # [t] per token
+    lengths: torch.Tensor  # [b] completion tokens per sequence (for aggregation)
+    seqs: slice  # the batch's sequences in this micro-batch
+    tokens: slice  # their completion tokens within the batch's [T]
+    real_tokens: int  # prompt + completion tokens
+    grid_tokens: int  # R * L, what the model computes over
+
+
+def layout(prompts: list[list[int]], completions: list[list[int]], temperatures: torch.Tensor, pad_id: int,
+           packing: bool, capacity: int = 0, seqs: slice | None = None, tokens: slice | None = None) -> ModelInputs:
+    """Rows for the model: packed (first-fit decreasing into rows of at most ``capacity`` tokens, at
+    least the longest sequence; 0 = the longest sequence) or one right-padded row per sequence."""
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+    longest = max(lengths)
+    if packing:
+        # as many rows as ``capacity`` needs, each about total / rows long (plus one sequence of slack
+        # for fragmentation), so the last row is not a mostly empty one
+        if capacity > longest:
+            total = sum(lengths)
+            rows_needed = -(-total // capacity)
+            capacity = min(capacity, -(-total // rows_needed) + longest)
+        capacity = max(capacity, longest)
+        rows_fill: list[int] = []
+        placement = [0] * len(lengths)
+        for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+            for r, used in enumerate(rows_fill):
+                if used + lengths[i] <= capacity:
+                    placement[i], rows_fill[r] = (r, used), used + lengths[i]
+                    break
+            else:
+                placement[i] = (len(rows_fill), 0)
+                rows_fill.append(lengths[i])
+        width = max(rows_fill)
+        n_rows = len(rows_fill)
+        # no two sequences share a row: nothing to gain, and a plain padding mask is cheaper to build
+        packing = n_rows < len(lengths)
+    if not packing:
+        placement = [(i, 0) for i in range(len(lengths))]
+        width, n_rows = longest, len(lengths)
+    # every position written once through flat indices: one tensor op per field, not one per sequence
+    flat_index: list[int] = []
+    tokens_flat: list[int] = []
+    positions: list[int] = []
+    rows, cols, targets = [], [], []
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        r, start = placement[i]
+        n = lengths[i]
+        base = r * width + start
+        flat_index.extend(range(base, base + n))
+        tokens_flat.extend(p)
+        tokens_flat.extend(c)
+        positions.extend(range(n))
+        # the hidden state at position k predicts token k + 1
+        rows.extend([r] * len(c))
+        cols.extend(range(start + len(p) - 1, start + n - 1))
+        targets.extend(c)
+    index = torch.tensor(flat_index)
+    input_ids = torch.full((n_rows * width,), pad_id, dtype=torch.long)
+    input_ids[index] = torch.tensor(tokens_flat)
+    input_ids = input_ids.view(n_rows, width)
+    position_ids = attention_mask = None
+    if packing:
+        # the unused tail of a row is one more (ignored) sequence with its own positions 0, 1, ...
+        position_ids = (torch.arange(n_rows * width) % width).view(n_rows, width)
+        for r, used in enumerate(rows_fill):
+            position_ids[r, used:] -= used
+        position_ids.view(-1)[index] = torch.tensor(positions)
+    else:
+        attention_mask = torch.zeros(n_rows * width, dtype=torch.long)
+        attention_mask[index] = 1
+        attention_mask = attention_mask.view(n_rows, width)
+    comp_lengths = torch.tensor([len(c) for c in completions], dtype=torch.long)
+    n_comp = int(comp_lengths.sum())
+    return ModelInputs(input_ids, position_ids, attention_mask, torch.tensor(rows), torch.tensor(cols),
+                       torch.tensor(targets), torch.repeat_interleave(temperatures.float(), comp_lengths), comp_lengths,
+                       seqs or slice(0, len(prompts)), tokens or slice(0, n_comp), sum(lengths), n_rows * width)
+
+
+def micro_batches(batch: Batch, pad_id: int, packing: bool, pack_length: int, micro_batch_tokens: int
+                  ) -> list[ModelInputs]:
+    """Split ``batch`` into consecutive micro-batches of at most ``micro_batch_tokens`` real tokens
+    (0 = one micro-batch; a sequence longer than the budget gets a micro-batch of its own)."""
+    seq_tokens = [len(p) + len(c) for p, c in zip(batch.prompts, batch.completions)]
+    bounds, start, used = [], 0, 0
+    for i, n in enumerate(seq_tokens):
+        if micro_batch_tokens > 0 and used + n > micro_batch_tokens and i > start:
+            bounds.append((start, i))
+            start, used = i, 0
+        used += n
+    bounds.append((start, len(seq_tokens)))
+    offsets = [0, *torch.cumsum(batch.lengths, 0).tolist()]
+    return [layout(batch.prompts[a:b], batch.completions[a:b], batch.temperatures[a:b], pad_id, packing,
+                   pack_length, slice(a, b), slice(offsets[a], offsets[b])) for a, b in bounds]

@@ -1,0 +1,81 @@
+"""Verifiers: rule-based reward components, registered by name.
+
+A verifier checks the completions of one group against what the task carries (a reference
+answer, a test suite, a procedural task's parameters) and returns one ``Check`` per component
+it produces for every completion. Its ``prepare`` validates the task once per group and raises
+InvalidArgument naming the field when the task is unusable (a request error, not the
+policy's fault); a completion that is merely wrong, unparsable or badly formatted is the
+policy's fault and scores 0 with a ``detail`` saying why. A component that could not be
+computed for reasons outside the completion (the sandbox is down) is never a silent 0: it is
+an exception or an ERROR check.
+
+Adding a verifier: subclass ``Verifier``, decorate with ``@register``; a domain then uses its
+component names as keys of ``weights`` in ``[reward.domains.NAME]``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from temper.v1 import common_pb2
+
+MAX_DETAIL_CHARS = 200
+
+
+@dataclass(frozen=True)
+class Check:
+    """One reward component of one completion, as a verifier computed it."""
+
+    name: str
+    value: float = 0.0
+    detail: str = ""
+    error: str = ""  # non-empty: not computed (status ERROR), never read as a reward of 0
+
+    def to_proto(self, weight: float) -> common_pb2.RewardComponent:
+        status = common_pb2.REWARD_STATUS_ERROR if self.error else common_pb2.REWARD_STATUS_OK
+        return common_pb2.RewardComponent(name=self.name, value=0.0 if self.error else self.value, weight=weight,
+                                          status=status, error=self.error, detail=short(self.detail))
+
+
+def short(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class Verifier(ABC):
+    """Scores completions of one task; instances are shared by every caller (thread-safe)."""
+
+    name: ClassVar[str]
+    components: ClassVar[tuple[str, ...]]  # names of the Checks ``verify`` returns, in this order
+    needs_reference: ClassVar[bool] = True  # prepare() refuses an empty reference_answer
+
+    def __init__(self, settings=None, **dependencies):
+        """``settings``: the service's RewardSettings; ``dependencies``: e.g. ``sandbox`` (a RunTests callable)."""
+        self.settings = settings
+
+    def prepare(self, task: common_pb2.Task, field: str) -> Any:
+        """What ``verify`` needs from ``task``, validated once per group.
+
+        ``field`` is the task's path in the request ("group.task"); a bad task raises InvalidArgument
+        naming the sub-field, e.g. "group.task.reference_answer".
+        """
+        return task.reference_answer.strip()
+
+    @abstractmethod
+    def verify(self, completions: Sequence[str], prepared: Any) -> list[list[Check]]:
+        """One list of Checks (one per name in ``components``) for each completion."""
+
+    def close(self) -> None:  # noqa: B027 - most verifiers hold nothing to release
+        """Release workers or channels."""
+
+
+VERIFIER_TYPES: dict[str, type[Verifier]] = {}
+
+
+def register(cls: type[Verifier]) -> type[Verifier]:
+    if cls.name in VERIFIER_TYPES:
+        raise ValueError(f"verifier {cls.name!r} registered twice")
+    VERIFIER_TYPES[cls.name] = cls
+    return cls

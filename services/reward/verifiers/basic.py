@@ -1,0 +1,76 @@
+"""Verifiers that need no worker: exact answers of the toy domains, and format checks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from temper.reward.verifiers import Check, Verifier, register, short
+from temper.reward.verifiers import extract
+from temper.tasks import toy
+
+
+@register
+class ExactAnswer(Verifier):
+    """1 if the completion's first word equals the reference answer (the toy domains)."""
+
+    name = "exact_answer"
+    components = ("exact_answer",)
+
+    def verify(self, completions: Sequence[str], prepared: str) -> list[list[Check]]:
+        return [[Check(self.name, toy.exact_answer_reward(c, prepared),
+                       detail=short(f"first word {toy.extract_answer(c)!r}"))] for c in completions]
+
+
+class FormatCheck(Verifier):
+    """1 if the completion has the expected shape, else 0; needs no reference."""
+
+    needs_reference = False
+
+    def prepare(self, task, field):
+        return None
+
+    def verify(self, completions: Sequence[str], prepared: None) -> list[list[Check]]:
+        return [[self.check(c)] for c in completions]
+
+    def check(self, completion: str) -> Check:
+        raise NotImplementedError
+
+
+@register
+class BoxedFormat(FormatCheck):
+    name = "format.boxed"
+    components = ("format.boxed",)
+
+    def check(self, completion):
+        found = extract.last_boxed(completion) is not None
+        return Check(self.name, float(found), detail="" if found else "no \\boxed{} answer")
+
+
+@register
+class AnswerTagFormat(FormatCheck):
+    name = "format.answer_tag"
+    components = ("format.answer_tag",)
+
+    def check(self, completion):
+        found = extract.tagged(completion, "answer") is not None
+        return Check(self.name, float(found), detail="" if found else "no <answer>...</answer>")
+
+
+@register
+class ThinkAnswerFormat(FormatCheck):
+    name = "format.think_answer"
+    components = ("format.think_answer",)
+
+    def check(self, completion):
+        ok = extract.think_then_answer(completion)
+        return Check(self.name, float(ok), detail="" if ok else "not <think>...</think><answer>...</answer>")
+
+
+@register
+class CodeBlockFormat(FormatCheck):
+    name = "format.code_block"
+    components = ("format.code_block",)
+
+    def check(self, completion):
+        found = extract.code_block(completion) is not None
+        return Check(self.name, float(found), detail="" if found else "no fenced code block")

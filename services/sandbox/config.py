@@ -1,0 +1,122 @@
+"""Configuration of the sandbox service (the ``[sandbox]`` table), and building its parts from it.
+
+Languages come from ``languages.toml`` beside this file; ``[sandbox.languages.<name>]`` tables in
+the service's config add languages or replace presets, so a new language is a config entry.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from temper.runtime.config import ServiceConfig
+from temper.sandbox.core import Executor, Language, Limits, Policy, load_languages
+from temper.sandbox.runsc import RunscBackend, RunscSettings, SandboxPool
+
+LANGUAGES_FILE = Path(__file__).with_name("languages.toml")
+
+
+class LimitsConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    wall_seconds: float
+    cpu_seconds: float
+    memory_mb: int
+    max_processes: int
+    max_output_bytes: int
+
+    def limits(self) -> Limits:
+        return Limits(**self.model_dump())
+
+
+class LanguageConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    source_file: str
+    run: list[str]
+    compile: list[str] = []
+    test_harness: list[str] = []
+    harness_runs: bool = False
+    extensions: list[str] = []
+    env: dict[str, str] = {}
+
+
+class SandboxConfig(ServiceConfig):
+    section = "sandbox"
+
+    max_concurrency: int = 0  # executions at once; 0 = the number of CPU cores
+    max_queue: int = 8  # executions waiting for a slot; beyond: RESOURCE_EXHAUSTED
+    pool_size: int = -1  # sandboxes booted ahead; -1 = max_concurrency
+    default_limits: LimitsConfig = LimitsConfig(wall_seconds=10, cpu_seconds=10, memory_mb=512, max_processes=64,
+                                                max_output_bytes=1 << 20)
+    # stdout and stderr of one run, at their maximum, must fit one gRPC message (64 MiB)
+    max_limits: LimitsConfig = LimitsConfig(wall_seconds=60, cpu_seconds=60, memory_mb=4096, max_processes=512,
+                                            max_output_bytes=16 << 20)
+    compile_limits: LimitsConfig = LimitsConfig(wall_seconds=60, cpu_seconds=60, memory_mb=2048, max_processes=64,
+                                                max_output_bytes=1 << 20)
+    max_source_bytes: int = 1 << 20
+    max_stdin_bytes: int = 16 << 20
+    max_files: int = 64
+    max_tests: int = 1000
+    max_script_bytes: int = 1 << 20
+    languages: dict[str, LanguageConfig] = {}  # added to (or replacing) the presets of languages.toml
+    warm_language: str = "python3"  # pooled sandboxes hold this language's harness started ahead ("" = none)
+
+    runsc: str = "runsc"
+    runsc_platform: str = "ptrace"  # kvm hangs here (nested virtualisation); systrap is newer than Debian's runsc
+    runsc_flags: list[str] = []
+    python: str = ""  # the sandbox's Python for the agent ("" = /usr/bin/python3 or /usr/local/bin/python3)
+    binds: list[str] = ["/usr"]  # host directories visible read-only inside every sandbox
+    workdir_mb: int = 256
+    sandbox_cpus: float = 1.0  # CPU quota of one sandbox, in cores
+    memory_slack_mb: int = 32
+    boot_timeout_seconds: float = 30.0
+    sandbox_uid: int = 65534
+
+    publish_traces: bool = True  # ExecutionTrace per call on the sandbox-traces topic
+    trace_max_bytes: int = 16 << 10  # byte fields of a trace are truncated to this
+
+    @field_validator("default_limits", "max_limits", "compile_limits", mode="before")
+    @classmethod
+    def _partial_limits(cls, value, info):
+        """A table naming some limits keeps the others at their defaults."""
+        if isinstance(value, dict):
+            return {**cls.model_fields[info.field_name].default.model_dump(), **value}
+        return value
+
+    def concurrency(self) -> int:
+        return self.max_concurrency or os.cpu_count() or 1
+
+    def language_presets(self) -> dict[str, Language]:
+        tables = tomllib.loads(LANGUAGES_FILE.read_text())
+        tables.update({name: lang.model_dump() for name, lang in self.languages.items()})
+        return load_languages(tables)
+
+    def policy(self) -> Policy:
+        return Policy(defaults=self.default_limits.limits(), maxima=self.max_limits.limits(),
+                      compile_limits=self.compile_limits.limits(), max_source_bytes=self.max_source_bytes,
+                      max_stdin_bytes=self.max_stdin_bytes, max_files=self.max_files, max_tests=self.max_tests,
+                      max_script_bytes=self.max_script_bytes)
+
+    def runsc_settings(self) -> RunscSettings:
+        warm = self.language_presets().get(self.warm_language) if self.warm_language else None
+        if self.warm_language and (warm is None or not warm.test_harness):
+            raise ValueError(f"warm_language {self.warm_language!r} is not a language with a test_harness")
+        return RunscSettings(
+            warm_command=warm.test_harness if warm else (), warm_env=dict(warm.env) if warm else {},
+            runsc=self.runsc, platform=self.runsc_platform, extra_flags=tuple(self.runsc_flags), python=self.python,
+            binds=tuple(self.binds), state_dir=self.data_dir, workdir_mb=self.workdir_mb, cpus=self.sandbox_cpus,
+            memory_slack_mb=self.memory_slack_mb,
+            boot_memory_mb=max(self.max_limits.memory_mb, self.compile_limits.memory_mb) + 512,
+            boot_timeout_seconds=self.boot_timeout_seconds, uid=self.sandbox_uid)
+
+
+def build_executor(config: SandboxConfig, pool_size: int | None = None) -> tuple[Executor, SandboxPool]:
+    """The executor over a warm pool of gVisor sandboxes. Raises RuntimeError if runsc cannot run here."""
+    concurrency = config.concurrency()
+    requested = config.pool_size if pool_size is None else pool_size
+    pool = SandboxPool(RunscBackend(config.runsc_settings()), concurrency if requested < 0 else requested)
+    executor = Executor(pool.acquire, pool.release, config.language_presets(), config.policy(), concurrency,
+                        config.max_queue)
+    return executor, pool

@@ -1,0 +1,109 @@
+"""gRPC SandboxService: translates protobuf <-> the core, and builds the execution traces."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+
+from prometheus_client import Counter, Histogram
+
+from temper.runtime.errors import reject_unknown_fields
+from temper.sandbox.core import Executor, Limits, OutputMatch, Program, Result, SourceFile, TestCase, TestsResult
+from temper.v1 import sandbox_pb2, sandbox_pb2_grpc
+
+EXECUTIONS = Counter("temper_sandbox_calls_total", "Sandbox calls by method and verdict", ["method", "verdict"])
+SECONDS = Histogram("temper_sandbox_call_seconds", "Sandbox call latency, queueing included", ["method"],
+                    buckets=(0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60, 120))
+MAX_TRACE_BYTES = 900 << 10  # under Kafka's default 1 MiB message limit
+
+
+def program_from_proto(req: sandbox_pb2.ExecuteRequest) -> Program:
+    lim = req.limits
+    return Program(
+        language=req.language,
+        files=[SourceFile(f.path, f.content, f.executable) for f in req.files],
+        command=list(req.command), stdin=req.stdin,
+        limits=Limits(wall_seconds=lim.wall_seconds, cpu_seconds=lim.cpu_seconds, memory_mb=lim.memory_mb,
+                      max_processes=lim.max_processes, max_output_bytes=lim.max_output_bytes))
+
+
+def result_to_proto(r: Result) -> sandbox_pb2.ExecuteResponse:
+    return sandbox_pb2.ExecuteResponse(
+        verdict=sandbox_pb2.Verdict.Value(r.verdict.name), exit_code=r.exit_code, signal=r.signal, stdout=r.stdout,
+        stderr=r.stderr, output_truncated=r.output_truncated, wall_seconds=r.wall_seconds, cpu_seconds=r.cpu_seconds,
+        peak_memory_bytes=r.peak_memory_bytes, message=r.message)
+
+
+def tests_to_proto(t: TestsResult) -> sandbox_pb2.RunTestsResponse:
+    resp = sandbox_pb2.RunTestsResponse(results=[result_to_proto(r) for r in t.results], passed=t.passed,
+                                        compile_verdict=sandbox_pb2.Verdict.Value(t.compile_verdict.name))
+    if t.compile is not None:
+        resp.compile.CopyFrom(result_to_proto(t.compile))
+    return resp
+
+
+def truncated(message, limit: int):
+    """A copy of ``message`` with every bytes/string field (recursively) cut to ``limit``."""
+    out = type(message)()
+    out.CopyFrom(message)
+    stack = [out]
+    while stack:
+        m = stack.pop()
+        for desc, value in m.ListFields():
+            if desc.message_type is not None:
+                stack.extend(value if desc.is_repeated else [value])
+            elif desc.type in (desc.TYPE_BYTES, desc.TYPE_STRING) and not desc.is_repeated and len(value) > limit:
+                setattr(m, desc.name, value[:limit])
+    return out
+
+
+class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
+    def __init__(self, executor: Executor, publish: Callable[[sandbox_pb2.ExecutionTrace], None] | None = None,
+                 trace_max_bytes: int = 16 << 10):
+        self.executor = executor
+        self.publish = publish
+        self.trace_max_bytes = trace_max_bytes
+
+    def Execute(self, request, context):
+        reject_unknown_fields(request, "request")
+        started, t0 = time.time(), time.monotonic()
+        result = self.executor.execute(program_from_proto(request))
+        response = result_to_proto(result)
+        self._finish("Execute", result.verdict.name, t0, started, result.queue_seconds,
+                     execute_request=request, execute_response=response)
+        return response
+
+    def RunTests(self, request, context):
+        reject_unknown_fields(request, "request")
+        started, t0 = time.time(), time.monotonic()
+        tests = [TestCase(t.stdin, t.expected_stdout, t.assertion_script) for t in request.tests]
+        match = (OutputMatch.EXACT if request.output_match == sandbox_pb2.OUTPUT_MATCH_EXACT
+                 else OutputMatch.TRAILING_WHITESPACE)
+        out = self.executor.run_tests(program_from_proto(request.program), tests, request.stop_on_first_failure, match)
+        response = tests_to_proto(out)
+        if out.compile_verdict.name != "OK":
+            verdict = out.compile_verdict.name
+        else:
+            verdict = next((r.verdict.name for r in out.results if r.verdict.name != "OK"), "OK")
+        self._finish("RunTests", verdict, t0, started, out.queue_seconds,
+                     run_tests_request=request, run_tests_response=response)
+        return response
+
+    def _finish(self, method: str, verdict: str, t0: float, started: float, queued: float, **call) -> None:
+        seconds = time.monotonic() - t0
+        EXECUTIONS.labels(method, verdict).inc()
+        SECONDS.labels(method).observe(seconds)
+        if self.publish is None:
+            return
+        limit = self.trace_max_bytes
+        while True:  # fields cut shorter until the whole trace fits one Kafka message
+            trace = sandbox_pb2.ExecutionTrace(
+                execution_id=uuid.uuid4().hex, method=method, started_unix_ms=int(started * 1000),
+                queue_seconds=queued, total_seconds=seconds, verdict=sandbox_pb2.Verdict.Value(verdict))
+            for name, message in call.items():
+                getattr(trace, name).CopyFrom(truncated(message, limit))
+            if trace.ByteSize() <= MAX_TRACE_BYTES or limit <= 64:
+                break
+            limit //= 4
+        self.publish(trace)

@@ -1,0 +1,121 @@
+"""The inference service over real gRPC, with the vLLM engine, as its own process on 127.0.0.1."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+import torch
+
+from temper.client.sdk import InferenceClient
+from temper.inference.weights import chunks_from_tensors
+from temper.runtime.rpc import check_health
+from temper.v1 import inference_pb2
+from tests.inference.server import inference_server
+from tests.inference.teacher import max_logprob_error, perturbed, set_weights
+
+IA = grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.fixture(scope="module")
+def service(tiny_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("inference") / "inference.log"
+    with inference_server(tiny_dir, "vllm", log, "--dtype", "float32", "--kv-cache-memory-bytes",
+                          str(32 << 20)) as (address, proc):
+        client = InferenceClient(address, timeout=120)
+        yield client, proc
+        client.close()
+    assert proc.poll() is not None, "the server outlived its test"
+
+
+def expect(code, field, fn, *args, **kwargs):
+    with pytest.raises(grpc.RpcError) as e:
+        fn(*args, **kwargs)
+    assert e.value.code() == code, e.value.details()
+    assert field in e.value.details(), e.value.details()
+
+
+def test_generate_and_update_over_grpc(service, teacher):
+    client, _ = service
+    start = client.stub.GetPolicyVersion(inference_pb2.GetPolicyVersionRequest())
+    assert start.engine == "vllm"
+    ids = [5, 6, 7]
+    resp = client.generate(["copy 1 2 3", ids], n=3, temperature=0.9, max_tokens=6, seed=0)
+    assert resp.policy_version == start.policy_version
+    assert list(resp.results[1].prompt_token_ids) == ids
+    for r in resp.results:
+        assert len(r.completions) == 3
+        for c in r.completions:
+            assert 0 < len(c.token_ids) == len(c.logprobs) <= 6 and c.finish_reason in ("stop", "length")
+    assert max_logprob_error(teacher, resp.results, 0.9) < 1e-4
+
+    checkpoint = {n: p.detach().clone() for n, p in teacher.named_parameters()}
+    new = perturbed(teacher, seed=21)
+    update = client.update_weights(new, new_version=start.policy_version + 5, chunk_bytes=1000)
+    assert update.policy_version == start.policy_version + 5 and update.tensors == len(new)
+    assert client.policy_version() == start.policy_version + 5
+    resp = client.generate(["copy 1 2 3", ids], n=3, temperature=0.9, max_tokens=6, seed=0)
+    assert resp.policy_version == start.policy_version + 5
+    try:
+        set_weights(teacher, new)
+        assert max_logprob_error(teacher, resp.results, 0.9) < 1e-4
+    finally:
+        set_weights(teacher, checkpoint)
+    assert client.update_weights(checkpoint).policy_version == start.policy_version + 6  # back, for the next tests
+
+
+def test_concurrent_clients(service):
+    client, _ = service
+    out, errors = [], []
+
+    def call(k):
+        try:
+            out.append(client.generate([[5 + k % 10, 6, 7]], n=2, temperature=1.0, max_tokens=12))
+        except grpc.RpcError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(k,)) for k in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and len(out) == 12
+    assert len({r.policy_version for r in out}) == 1
+
+
+def test_bad_requests_name_the_field_and_keep_the_old_version(service, teacher):
+    client, proc = service
+    version = client.policy_version()
+    expect(IA, "prompts", client.generate, [])
+    expect(IA, "sampling.n", client.generate, ["copy 1"], n=0)
+    expect(IA, "sampling.max_tokens", client.generate, ["copy 1"], max_tokens=1_000_000)
+    expect(IA, "prompts[0]", client.generate, [[5] * 200], max_tokens=4)
+    expect(IA, "prompts[1].text", client.generate, ["copy 1", ""])
+    expect(IA, "prompts[0].apply_chat_template", client.generate, ["copy 1"], apply_chat_template=True)
+    expect(IA, "prompts[0].token_ids", client.generate, [[10_000]])
+    # an unknown sampling field (number 99) is refused, not ignored
+    req = inference_pb2.GenerateRequest(prompts=[inference_pb2.Prompt(text="copy 1")],
+                                        sampling=inference_pb2.SamplingParams(n=1, max_tokens=1))
+    raw = req.SerializeToString() + bytes([0x12, 0x03, 0x98, 0x06, 0x01])  # sampling += {99: 1}
+    rpc = client._channel.unary_unary("/temper.v1.InferenceService/Generate", request_serializer=lambda b: b,
+                                      response_deserializer=inference_pb2.GenerateResponse.FromString)
+    expect(IA, "request.sampling", rpc, raw, timeout=30)
+
+    good = {n: p.detach() for n, p in teacher.named_parameters()}
+    name = next(iter(good))
+    bad_sum = list(chunks_from_tensors(good))
+    bad_sum[0].sha256 = "0" * 64
+    expect(IA, f"tensor {name}", client.stub.UpdateWeights, iter(bad_sum), timeout=60)
+    expect(IA, f"tensor {name}", client.update_weights, {k: v for k, v in good.items() if k != name})
+    expect(IA, f"tensor {name}", client.update_weights, {**good, name: torch.zeros(2, 2)})
+    expect(IA, "tensor extra.weight", client.update_weights, {**good, "extra.weight": torch.zeros(2)})
+    expect(IA, f"tensor {name}", client.update_weights, {**good, name: torch.full_like(good[name], float("inf"))})
+    partial = list(chunks_from_tensors(good, chunk_bytes=1000))
+    expect(IA, "tensor", client.stub.UpdateWeights, iter(partial[:-1]), timeout=60)  # stream cut mid-tensor
+    expect(IA, "new_version", client.update_weights, good, new_version=version)
+    assert client.policy_version() == version
+    assert check_health(client.address) == "SERVING" and proc.poll() is None
+    resp = client.generate(["copy 1 2 3"], n=2, temperature=1.0, max_tokens=4)
+    assert resp.policy_version == version
+    assert max_logprob_error(teacher, resp.results, 1.0) < 1e-4  # still the checkpoint's weights

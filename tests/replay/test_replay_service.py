@@ -1,0 +1,156 @@
+"""The replay service as a real process: gRPC contract, Kafka ingest into several tables, bad input."""
+
+import math
+
+import grpc
+import pytest
+
+from temper.client.sdk import ReplayClient
+from temper.runtime import kafka
+from temper.runtime.launcher import pid_alive
+from temper.runtime.rpc import check_health
+from temper.v1 import common_pb2, replay_pb2
+from tests.conftest import wait_until
+from tests.replay.util import make_group, start_replay
+
+CONFIG = """
+[replay]
+ingest_tables = ["default", "prio"]
+max_batch = 256
+
+[replay.tables.default]
+
+[replay.tables.prio]
+sampler = "prioritized"
+priority_exponent = 0.5
+importance_sampling_exponent = 0.4
+max_times_sampled = 0
+initial_priority = 1.0
+seed = 7
+
+[replay.tables.lag]
+sampler = "uniform"
+max_times_sampled = 0
+max_policy_lag = 2
+domain_quotas = { "math" = 2 }
+"""
+IA = grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.fixture(scope="module")
+def replay(tmp_path_factory, replay_model_dir):
+    launcher, pids = start_replay(tmp_path_factory.mktemp("replay-svc"), replay_model_dir, CONFIG)
+    state = launcher.load()
+    client = ReplayClient(state.services["replay"].address, timeout=30)
+    yield client, state
+    client.close()
+    launcher.down()
+    assert not [p for p in pids if pid_alive(p)], "processes left behind"
+
+
+def expect(code, field, call, *args, **kwargs):
+    with pytest.raises(grpc.RpcError) as e:
+        call(*args, **kwargs)
+    assert e.value.code() == code, e.value.details()
+    assert field in e.value.details(), e.value.details()
+
+
+def test_kafka_ingest_reaches_every_ingest_table(replay):
+    client, state = replay
+    producer = kafka.ProtoProducer(state.kafka_bootstrap, "test")
+    for i in range(3):
+        g = make_group(f"kafka-{i}", n=4)
+        producer.send(kafka.SCORED, g.group_id, g).get(10)
+    producer.close()
+    wait_until(lambda: client.stats("default").size == 3 and client.stats("prio").size == 3, 60, what="ingest")
+    groups = client.sample(3, timeout_ms=0)
+    assert [g.group_id for g in groups] == ["kafka-0", "kafka-1", "kafka-2"]
+    assert all(len(g.trajectories) == 4 for g in groups)
+    assert client.stats("lag").size == 0  # not an ingest table
+
+
+def test_prioritized_sampling_reports_probabilities_and_weights(replay):
+    client, _ = replay
+    r = client.insert([make_group(f"p{i}") for i in range(3)], table="prio", priorities=[4.0, 1.0, 0.0])
+    assert r.inserted == 3
+    resp = client.sample_batch(200, table="prio", timeout_ms=0)
+    assert len(resp.groups) == len(resp.info) == 200
+    weights = {"p0": 2.0, "p1": 1.0, "p2": 0.0}  # priority ** 0.5 (kafka-* have priority 1.0: weight 1)
+    total = sum(weights.values()) + 3.0
+    for g, info in zip(resp.groups, resp.info):
+        assert g.group_id == info.group_id and info.table_size == 6
+        w = weights.get(info.group_id, 1.0)
+        assert info.probability == pytest.approx(w / total)
+        assert info.importance_weight == pytest.approx((1.0 / w) ** 0.4)  # (p_min / p_i)^beta, p_min = weight 1
+    assert "p2" not in {i.group_id for i in resp.info}  # priority 0: never drawn
+    # the learner re-prioritises: p2 up, p0 down to 0
+    r = client.update_priorities({"p2": 9.0, "p0": 0.0, "nope": 1.0}, table="prio")
+    assert (r.updated, list(r.unknown_group_ids)) == (2, ["nope"])
+    ids = [i.group_id for i in client.sample_batch(200, table="prio", timeout_ms=0, importance_sampling_exponent=0).info]
+    assert "p0" not in ids and ids.count("p2") > ids.count("p1")
+
+
+def test_policy_lag_and_quota_through_grpc(replay):
+    client, _ = replay
+    client.insert([make_group("m0", domain="math", version=5), make_group("m1", domain="math", version=5),
+                   make_group("m2", domain="math", version=6), make_group("c0", domain="code", version=4)], table="lag")
+    s = client.stats("lag")
+    assert dict(s.domain_counts) == {"math": 2, "code": 1} and s.removed["quota"] == 1
+    resp = client.sample_batch(50, table="lag", timeout_ms=0, current_policy_version=7)  # lag 2: versions >= 5
+    assert {i.group_id for i in resp.info} == {"m1", "m2"} and resp.current_policy_version == 7
+    s = client.stats("lag")
+    assert s.current_policy_version == 7 and s.removed["stale"] == 1 and dict(s.policy_version_counts) == {5: 1, 6: 1}
+    assert s.rate_limiter.can_sample and s.config.max_policy_lag == 2 and sum(b.count for b in s.age_seconds) == 2
+
+
+def test_bad_input_is_refused_naming_the_field_and_harms_nothing(replay):
+    client, state = replay
+    client.insert([make_group("keep-1"), make_group("keep-2")], table="default")
+    before = client.stats("default")
+    expect(IA, "table", client.sample, 1, table="nope", timeout_ms=0)
+    expect(IA, "table", client.stats, "nope")
+    expect(IA, "table", client.update_priorities, {"x": 1.0}, table="nope")
+    expect(IA, "requests[1].table", client.stub.Insert, iter([
+        replay_pb2.InsertRequest(table="default", group=make_group("new-1")),
+        replay_pb2.InsertRequest(table="nope", group=make_group("new-2"))]), timeout=10)
+    for bad in (0, -3, 257):  # max_batch = 256
+        expect(IA, "batch_size", client.sample, bad, table="default", timeout_ms=0)
+    expect(IA, "timeout_ms", client.sample, 1, table="default", timeout_ms=-1)
+    expect(IA, "priorities['keep-1']", client.update_priorities, {"keep-2": 1.0, "keep-1": -1.0}, table="default")
+    expect(IA, "priorities['keep-2']", client.update_priorities, {"keep-2": math.nan}, table="default")
+    expect(IA, "requests[1].priority", client.insert, [make_group("new-3"), make_group("new-4")], table="default",
+           priorities=[1.0, -0.5])
+    malformed = make_group("new-5")
+    malformed.trajectories[1].completion_logprobs.pop()
+    expect(IA, "requests[1].group.trajectories[1].completion_logprobs", client.insert,
+           [make_group("new-6"), malformed], table="default")
+    expect(IA, "requests[0].group", client.stub.Insert, iter([replay_pb2.InsertRequest(table="default")]), timeout=10)
+    expect(IA, "importance_sampling_exponent", client.sample_batch, 1, table="prio", timeout_ms=0,
+           importance_sampling_exponent=-1.0)
+    expect(IA, "checkpoint_id", client.restore, "../escape")
+    expect(grpc.StatusCode.NOT_FOUND, "checkpoint_id", client.restore, "replay-missing")
+    after = client.stats("default")
+    assert (after.size, after.inserts, after.duplicates) == (before.size, before.inserts, before.duplicates)
+    got = {g.group_id: g for g in client.sample(after.size, table="default", timeout_ms=0)}  # FIFO: all of it
+    assert set(got) == {"keep-1", "keep-2"}
+    assert got["keep-1"] == make_group("keep-1")  # intact
+    assert check_health(state.services["replay"].address) == "SERVING"
+
+
+def test_sample_waits_for_enough_groups_then_times_out(replay):
+    client, _ = replay
+    with pytest.raises(grpc.RpcError) as e:
+        client.sample(5, timeout_ms=200)  # default table: FIFO, sample-once, empty
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "batch_size" in e.value.details()
+
+
+def test_checkpoint_and_restore_through_grpc(replay):
+    client, _ = replay
+    client.insert([make_group("ck-a"), make_group("ck-b")])
+    ckpt = client.checkpoint()
+    assert ckpt.table_sizes["default"] == 2 and ckpt.bytes > 0
+    assert [g.group_id for g in client.sample(2, timeout_ms=0)] == ["ck-a", "ck-b"]
+    assert client.stats().size == 0
+    assert client.restore(ckpt.checkpoint_id).table_sizes["default"] == 2
+    assert [g.group_id for g in client.sample(2, timeout_ms=0)] == ["ck-a", "ck-b"]
+    assert isinstance(client.sample_batch(1, table="prio", timeout_ms=0).groups[0], common_pb2.RolloutGroup)
