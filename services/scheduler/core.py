@@ -8,6 +8,7 @@ downstream is recognised.
 
 from __future__ import annotations
 
+import functools
 import random
 import threading
 import time
@@ -15,13 +16,18 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from temper import tasks
 from temper.runtime.errors import require
 from temper.runtime.logs import get_logger
 from temper.runtime.tracing import tracer
-from temper.tasks import toy
 from temper.v1 import common_pb2, inference_pb2, scheduler_pb2
 
 _log = get_logger(component="scheduler")
+
+
+@functools.cache
+def known_domains() -> frozenset[str]:
+    return frozenset(tasks.domains())
 MAX_STEPS = 1_000_000
 MAX_GROUPS_PER_STEP = 4096
 MAX_GROUP_SIZE = 1024
@@ -42,7 +48,7 @@ class JobSpec:
     @classmethod
     def from_proto(cls, p: scheduler_pb2.JobSpec) -> JobSpec:
         spec = cls(job_id=p.job_id or f"job-{uuid.uuid4().hex[:8]}", steps=p.steps, prompts_per_step=p.prompts_per_step,
-                   group_size=p.group_size, domains=list(p.domains) or sorted(toy.GENERATORS),
+                   group_size=p.group_size, domains=list(p.domains) or ["toy.copy", "toy.next"],
                    max_policy_lag=p.max_policy_lag, temperature=p.temperature, max_tokens=p.max_tokens, seed=p.seed)
         spec.validate()
         return spec
@@ -57,7 +63,8 @@ class JobSpec:
         require(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
         require(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
         for d in self.domains:
-            require(d in toy.GENERATORS, "domains", f"unknown domain {d!r}; known: {sorted(toy.GENERATORS)}")
+            require(d in known_domains(), "domains",
+                    f"unknown domain {d!r}; families: toy.*, math.*, code.*, rg.<reasoning-gym family>")
 
     def to_proto(self) -> scheduler_pb2.JobSpec:
         return scheduler_pb2.JobSpec(job_id=self.job_id, steps=self.steps, prompts_per_step=self.prompts_per_step,
@@ -127,11 +134,11 @@ class Job:
         spec = self.spec
         with self._tracer.start_as_current_span("scheduler.step", attributes={"temper.job_id": spec.job_id,
                                                                                "temper.step": step}):
-            tasks = [toy.make_task(self._rng.choice(spec.domains), self._rng, f"{spec.job_id}/s{step}/p{i}")
-                     for i in range(spec.prompts_per_step)]
+            step_tasks = [tasks.make_task(self._rng.choice(spec.domains), self._rng, f"{spec.job_id}/s{step}/p{i}")
+                          for i in range(spec.prompts_per_step)]
             # a seed per step: a job's sampling is reproducible given the weights
-            response = self._generate([t.prompt for t in tasks], spec, spec.seed * 1_000_003 + step)
-            for i, (task, result) in enumerate(zip(tasks, response.results)):
+            response = self._generate([t.prompt for t in step_tasks], spec, spec.seed * 1_000_003 + step)
+            for i, (task, result) in enumerate(zip(step_tasks, response.results)):
                 group_id = f"{spec.job_id}/s{step}/p{i}"
                 group = common_pb2.RolloutGroup(
                     group_id=group_id, job_id=spec.job_id, step=step, task=task, created_unix_ms=int(time.time() * 1000),
