@@ -6,17 +6,14 @@ FROM python:3.11-slim-bookworm
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 OMP_NUM_THREADS=1
 WORKDIR /opt/temper
 RUN apt-get update && apt-get install -y --no-install-recommends make g++ && rm -rf /var/lib/apt/lists/*
-COPY pyproject.toml README.md Makefile ./
+COPY pyproject.toml README.md ./
 COPY protos protos
-COPY services services
 COPY clients clients
-COPY deploy/local deploy/local
+COPY services services
 # torch: the CPU wheel; GPU images (inference, learner) override TORCH_SPEC with a CUDA build
 ARG TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+# the client package's build generates the protobuf code (clients/build_protos.py, as `make protos` does)
 RUN pip install ${TORCH_SPEC} \
- && mkdir -p services/v1 && touch services/v1/__init__.py \
- && pip install grpcio-tools==1.85.1 && mkdir -p /tmp/gen \
- && python -m grpc_tools.protoc -I protos --python_out=/tmp/gen --grpc_python_out=/tmp/gen protos/temper/v1/*.proto \
- && cp /tmp/gen/temper/v1/*.py services/v1/ \
- && pip install . opentelemetry-exporter-otlp-proto-grpc
+ && pip install ./clients \
+ && pip install '.[all]' opentelemetry-exporter-otlp-proto-grpc
 USER 65532:65532

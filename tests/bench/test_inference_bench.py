@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM
 
 from temper.client.sdk import InferenceClient
 from temper.inference.engine import SamplingParams, build_engine
+from temper.inference.weights import chunks_from_tensors
 from temper.models.smollm2 import DEFAULT_DIR, ensure_smollm2
 from tests.inference.server import inference_server
 
@@ -143,7 +144,7 @@ def test_inference_bench(tmp_path):
                 floor, floor_cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
             cpu0 = _cpu_seconds() + _cpu_seconds(proc.pid)
             t0 = time.perf_counter()
-            resp = client.update_weights(tensors, new_version=i + 1)
+            resp = client.update_weights(chunks_from_tensors(tensors, new_version=i + 1))
             if time.perf_counter() - t0 < update:
                 update = time.perf_counter() - t0
                 update_cpu = _cpu_seconds() + _cpu_seconds(proc.pid) - cpu0

@@ -18,7 +18,7 @@ def run(tmp_path_factory):
     """One `temper run` of the embedded default job in a private home; returns (home, summary)."""
     base = tmp_path_factory.mktemp("e2e")
     home, runs = base / "home", base / "runs"
-    proc = subprocess.run([sys.executable, "-m", "temper.client.cli", "--home", str(home), "run", "--runs", str(runs)],
+    proc = subprocess.run([sys.executable, "-m", "temper.cli.main", "--home", str(home), "run", "--runs", str(runs)],
                           capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((runs / "latest" / "summary.json").read_text())

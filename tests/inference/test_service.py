@@ -52,7 +52,7 @@ def test_generate_and_update_over_grpc(service, teacher):
 
     checkpoint = {n: p.detach().clone() for n, p in teacher.named_parameters()}
     new = perturbed(teacher, seed=21)
-    update = client.update_weights(new, new_version=start.policy_version + 5, chunk_bytes=1000)
+    update = client.update_weights(chunks_from_tensors(new, new_version=start.policy_version + 5, chunk_bytes=1000))
     assert update.policy_version == start.policy_version + 5 and update.tensors == len(new)
     assert client.policy_version() == start.policy_version + 5
     resp = client.generate(["copy 1 2 3", ids], n=3, temperature=0.9, max_tokens=6, seed=0)
@@ -62,7 +62,8 @@ def test_generate_and_update_over_grpc(service, teacher):
         assert max_logprob_error(teacher, resp.results, 0.9) < 1e-4
     finally:
         set_weights(teacher, checkpoint)
-    assert client.update_weights(checkpoint).policy_version == start.policy_version + 6  # back, for the next tests
+    # back, for the next tests
+    assert client.update_weights(chunks_from_tensors(checkpoint)).policy_version == start.policy_version + 6
 
 
 def test_concurrent_clients(service):
@@ -107,13 +108,14 @@ def test_bad_requests_name_the_field_and_keep_the_old_version(service, teacher):
     bad_sum = list(chunks_from_tensors(good))
     bad_sum[0].sha256 = "0" * 64
     expect(IA, f"tensor {name}", client.stub.UpdateWeights, iter(bad_sum), timeout=60)
-    expect(IA, f"tensor {name}", client.update_weights, {k: v for k, v in good.items() if k != name})
-    expect(IA, f"tensor {name}", client.update_weights, {**good, name: torch.zeros(2, 2)})
-    expect(IA, "tensor extra.weight", client.update_weights, {**good, "extra.weight": torch.zeros(2)})
-    expect(IA, f"tensor {name}", client.update_weights, {**good, name: torch.full_like(good[name], float("inf"))})
+    push = lambda t, **kw: client.update_weights(chunks_from_tensors(t, **kw))  # noqa: E731
+    expect(IA, f"tensor {name}", push, {k: v for k, v in good.items() if k != name})
+    expect(IA, f"tensor {name}", push, {**good, name: torch.zeros(2, 2)})
+    expect(IA, "tensor extra.weight", push, {**good, "extra.weight": torch.zeros(2)})
+    expect(IA, f"tensor {name}", push, {**good, name: torch.full_like(good[name], float("inf"))})
     partial = list(chunks_from_tensors(good, chunk_bytes=1000))
     expect(IA, "tensor", client.stub.UpdateWeights, iter(partial[:-1]), timeout=60)  # stream cut mid-tensor
-    expect(IA, "new_version", client.update_weights, good, new_version=version)
+    expect(IA, "new_version", push, good, new_version=version)
     assert client.policy_version() == version
     assert check_health(client.address) == "SERVING" and proc.poll() is None
     resp = client.generate(["copy 1 2 3"], n=2, temperature=1.0, max_tokens=4)

@@ -63,9 +63,10 @@ def test_inference(stack):
     bad_sum = list(chunks_from_tensors(good))
     bad_sum[0].sha256 = "0" * 64
     expect(IA, f"tensor {name}", c.stub.UpdateWeights, iter(bad_sum), timeout=30)
-    expect(IA, f"tensor {name}", c.update_weights, {k: v for k, v in good.items() if k != name})
-    expect(IA, f"tensor {name}", c.update_weights, {**good, name: torch.zeros(2, 2)})
-    expect(IA, "tensor", c.update_weights, {**good, "extra.weight": torch.zeros(2)})
+    push = lambda t, **kw: c.update_weights(chunks_from_tensors(t, **kw))  # noqa: E731
+    expect(IA, f"tensor {name}", push, {k: v for k, v in good.items() if k != name})
+    expect(IA, f"tensor {name}", push, {**good, name: torch.zeros(2, 2)})
+    expect(IA, "tensor", push, {**good, "extra.weight": torch.zeros(2)})
     assert c.policy_version() == version
     assert len(c.generate(["copy 1 2 3"], n=2, max_tokens=2).results[0].completions) == 2
     assert check_health(addr) == "SERVING"

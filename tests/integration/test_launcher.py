@@ -7,7 +7,7 @@ import sys
 
 from temper.runtime.launcher import SERVICES, pid_alive
 
-TEMPER = [sys.executable, "-m", "temper.client.cli"]
+TEMPER = [sys.executable, "-m", "temper.cli.main"]
 
 
 def _temper(home, *args, check=True):

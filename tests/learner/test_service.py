@@ -28,6 +28,7 @@ from temper.runtime import kafka
 from temper.runtime.config import load_config
 from temper.runtime.launcher import Launcher, pid_alive
 from temper.tasks import toy
+from temper.inference.weights import chunks_from_tensors
 from temper.v1 import common_pb2
 from tests.conftest import wait_until
 
@@ -156,7 +157,7 @@ def test_trains_publishes_checkpoints_pauses_and_resumes_after_a_crash(learner_s
     assert learner.checkpoint().step == 7
     learner_stack.stop_service("learner", kill=True)
     model_dir = Path(learner_stack.config()["model"]["dir"])
-    inference.update_weights(Trainer(model_dir, TrainerConfig()).weights(), new_version=50)
+    inference.update_weights(chunks_from_tensors(Trainer(model_dir, TrainerConfig()).weights(), new_version=50))
     learner_stack.start_service("learner")
     status = learner.status()
     assert status.resumed and status.step == 7 and status.policy_version == 51

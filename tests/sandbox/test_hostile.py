@@ -151,7 +151,7 @@ def test_writes_outside_the_workdir(service, client):
     for path in ("/etc/temper-evil", "/usr/bin/temper-evil", "/temper-evil", "/tmp/inside-only"):
         assert not Path(path).exists()
     harness = next(service.data_dir.glob("instance-*/grader/harness.py"))
-    assert harness.read_bytes() == (Path(__file__).parents[2] / "services/sandbox/harness.py").read_bytes()
+    assert harness.read_bytes() == (Path(__file__).parents[2] / "services/temper/sandbox/harness.py").read_bytes()
 
 
 def test_reading_host_secrets(client, tmp_path):

@@ -14,6 +14,7 @@ import grpc
 import pytest
 from kafka import KafkaConsumer
 
+from temper import jobs
 from temper.client.sdk import SandboxClient
 from temper.runtime import kafka
 from temper.runtime.launcher import Proc, State, pid_alive
@@ -162,30 +163,30 @@ def test_service_refuses_to_start_without_runsc(tmp_path):
 
 
 def cli(*args, home) -> tuple[int, dict]:
-    p = subprocess.run([sys.executable, "-m", "temper.client.cli", "--home", str(home), "sandbox", *args],
+    p = subprocess.run([sys.executable, "-m", "temper.cli.main", "--home", str(home), "sandbox", *args],
                        capture_output=True, text=True, timeout=120, cwd=REPO)
     assert p.stdout, p.stderr
     return p.returncode, json.loads(p.stdout)
 
 
-def test_cli_in_process_when_no_service_is_up(tmp_path):
+def test_cli_starts_a_short_lived_service_when_none_is_up(tmp_path):
     prog = tmp_path / "loop.py"
     prog.write_text("while True:\n    pass\n")
     rc, out = cli("exec", "--timeout", "1", str(prog), home=tmp_path / "home")
-    assert rc == 1 and out["status"] == "TIMEOUT" and out["via"] == "in-process"
+    assert rc == 1 and out["status"] == "TIMEOUT" and out["via"] == "a sandbox service started for this call"
     prog.write_text("print(input()[::-1])\n")
     stdin = tmp_path / "in.txt"
     stdin.write_text("olleh\n")
     rc, out = cli("exec", "--stdin", str(stdin), "--memory-mb", "128", str(prog), home=tmp_path / "home")
     assert rc == 0 and out["status"] == "OK" and out["stdout"] == "hello\n"
-    assert not list((tmp_path / "home").glob("data/sandbox-cli/instance-*"))
+    assert not (tmp_path / "home" / "state.json").exists()  # nothing left running in the user's home
 
 
 def test_cli_through_the_running_service(service, tmp_path):
     """With a sandbox service recorded as up (the state `temper up` writes), the CLI calls it."""
     home = tmp_path / "home"
     home.mkdir()
-    state = State(home=str(home), config=str(REPO / "deploy/local/temper.toml"),
+    state = State(home=str(home), config=str(jobs.path()),
                   services={"sandbox": Proc("sandbox", service.proc.pid, service.address, str(service.log))})
     (home / "state.json").write_text(json.dumps(asdict(state)))
     prog = tmp_path / "add.c"

@@ -18,7 +18,7 @@ from temper.learner.servicer import LearnerServicer
 from temper.learner.trainer import Trainer, TrainerConfig
 from temper.runtime import kafka
 from temper.runtime.config import ServiceConfig, load_config
-from temper.runtime.rpc import Service, serve
+from temper.runtime.rpc import Service, client, serve
 from temper.v1 import learner_pb2, learner_pb2_grpc
 
 
@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> None:
         fields = ", ".join(".".join(map(str, err["loc"])) or "config" for err in e.errors())
         sys.exit(f"temper-learner: invalid configuration ({fields}):\n{e}")
     trainer = Trainer(config.model_dir, config.trainer_config())
-    replay = ReplayClient(config.replay_address)
-    replicas = [InferenceClient(a) for a in config.inference_addresses]
+    replay = client(ReplayClient, config.replay_address)
+    replicas = [client(InferenceClient, a) for a in config.inference_addresses]
     loop = LearnerLoop(trainer, replay, replicas, None, config.groups_per_step, config.table,
                        checkpoint_dir=config.checkpoint_dir or Path(config.data_dir) / "checkpoints",
                        checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints)

@@ -1,8 +1,9 @@
 """Python SDK: thin typed clients for every Temper service, used by the CLI, by the services
 themselves when they call each other, and by outside systems.
 
-Each client wraps one gRPC channel (trace context travels in metadata) and exposes the
-service's RPCs; errors surface as ``grpc.RpcError`` with the server's status and message.
+Each client wraps one gRPC channel and exposes the service's RPCs; errors surface as
+``grpc.RpcError`` with the server's status and message. This package depends on grpcio,
+protobuf and the generated code only (no torch): services pass a traced channel of their own.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Iterable
 
 import grpc
 
-from temper.runtime.rpc import channel
+from temper.client.transport import channel as _channel
 from temper.v1 import (
     common_pb2,
     inference_pb2,
@@ -34,10 +35,11 @@ from temper.v1 import (
 class _Client:
     stub_class: type
 
-    def __init__(self, address: str, timeout: float = 60.0):
+    def __init__(self, address: str, timeout: float = 60.0, channel: grpc.Channel | None = None):
+        """``channel``: an existing channel to ``address`` (e.g. one carrying trace context); it is closed by ``close``."""
         self.address = address
         self.timeout = timeout
-        self._channel = channel(address)
+        self._channel = channel if channel is not None else _channel(address)
         self.stub = self.stub_class(self._channel)
 
     def close(self) -> None:
@@ -63,17 +65,12 @@ class InferenceClient(_Client):
         return self.stub.Generate(inference_pb2.GenerateRequest(prompts=msgs, sampling=sampling),
                                   timeout=self.timeout)
 
-    def update_weights(self, tensors, new_version: int = 0, chunk_bytes: int | None = None,
-                       checksum: str = "xxh3_128") -> inference_pb2.UpdateWeightsResponse:
-        """Stream ``tensors`` (name -> torch.Tensor) as one new policy version.
+    def update_weights(self, chunks: Iterable[inference_pb2.WeightChunk]) -> inference_pb2.UpdateWeightsResponse:
+        """Stream one new policy version as WeightChunk messages (the first carries ``new_version``).
 
-        ``checksum``: the per-tensor digest, "xxh3_128" (fast) or "sha256".
+        The server package builds them from tensors: ``temper.inference.weights.chunks_from_tensors``.
         """
-        from temper.inference.weights import DEFAULT_CHUNK_BYTES, chunks_from_tensors
-
-        return self.stub.UpdateWeights(
-            chunks_from_tensors(tensors, chunk_bytes or DEFAULT_CHUNK_BYTES, new_version, checksum),
-            timeout=self.timeout)
+        return self.stub.UpdateWeights(iter(chunks), timeout=self.timeout)
 
     def policy_version(self) -> int:
         return self.stub.GetPolicyVersion(inference_pb2.GetPolicyVersionRequest(),

@@ -53,9 +53,10 @@ RunTests = Callable[[sandbox_pb2.RunTestsRequest, float], sandbox_pb2.RunTestsRe
 def sandbox_runner(address: str) -> RunTests:
     """RunTests through the SDK's SandboxClient at ``address``."""
     from temper.client.sdk import SandboxClient
+    from temper.runtime.rpc import client
 
-    client = SandboxClient(address)
-    return lambda request, timeout: client.stub.RunTests(request, timeout=timeout)
+    sandbox = client(SandboxClient, address)
+    return lambda request, timeout: sandbox.stub.RunTests(request, timeout=timeout)
 
 
 @dataclass(frozen=True)

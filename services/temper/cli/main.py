@@ -5,7 +5,7 @@
   temper down               stop everything `up` started
   temper restart SERVICE    stop one service and start it again (--kill: SIGKILL)
   temper run                up + the default job + report (runs/latest) + down
-  temper sandbox exec FILE  run FILE in the gVisor sandbox; prints the verdict as JSON ("status")
+  temper sandbox exec FILE  run FILE in the gVisor sandbox service; prints the verdict as JSON ("status")
   temper sandbox test PROGRAM TESTFILE   run PROGRAM against the tests in TESTFILE
 """
 
@@ -58,7 +58,7 @@ def cmd_restart(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from temper.client.job import follow_job, write_report
+    from temper.cli.job import follow_job, write_report
     from temper.scheduler.core import JobSpec
 
     launcher = _launcher(args)
@@ -87,37 +87,39 @@ def cmd_run(args) -> int:
     return 0
 
 
-# -- temper sandbox: through the running sandbox service, else in-process ---------------------------
+# -- temper sandbox: always through the sandbox service (the one `temper up` started, else a short-lived one)
 def _sandbox_call(args, method: str, request):
-    """(response, via): the sandbox service of `temper up` if it is up, else this machine's runsc in-process."""
+    """(response, via): the call made through the SDK against the sandbox service of ``--home`` if it is
+    up, else against one started for this call in a temporary home and stopped after it."""
+    import tempfile
+
     import grpc
 
-    from temper.runtime.errors import TemperError
+    from temper.client.sdk import SandboxClient
     from temper.runtime.rpc import check_health
 
-    state = _launcher(args).load()
+    launcher = _launcher(args)
+    state = launcher.load()
     proc = state.services.get("sandbox") if state else None
+    timeout = 60 + (request.limits.wall_seconds if method == "Execute" else 10 * len(request.tests))
+
+    def call(address: str):
+        with SandboxClient(address) as client:
+            return getattr(client.stub, method)(request, timeout=timeout)
+
     try:
         if proc is not None and check_health(proc.address) == "SERVING":
-            from temper.client.sdk import SandboxClient
-
-            with SandboxClient(proc.address) as client:
-                timeout = 60 + (request.limits.wall_seconds if method == "Execute" else 10 * len(request.tests))
-                return getattr(client.stub, method)(request, timeout=timeout), f"service {proc.address}"
-        from temper.runtime.config import load_config
-        from temper.sandbox.config import SandboxConfig, build_executor
-        from temper.sandbox.servicer import SandboxServicer
-
-        config = load_config(SandboxConfig, ["--config", str(_launcher(args).config_path),
-                                             "--data-dir", str(Path(args.home) / "data" / "sandbox-cli")])
-        executor, pool = build_executor(config, pool_size=0)  # one cold sandbox per call
-        try:
-            return getattr(SandboxServicer(executor), method)(request, None), "in-process"
-        finally:
-            pool.close()
-    except TemperError as e:
-        raise ValueError(str(e)) from None
+            return call(proc.address), f"service {proc.address}"
+        with tempfile.TemporaryDirectory(prefix="temper-sandbox-") as home:
+            temp = Launcher(home=home, config=launcher.config_path)
+            address = temp.up(["sandbox"]).services["sandbox"].address
+            try:
+                return call(address), "a sandbox service started for this call"
+            finally:
+                temp.down()
     except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            raise ValueError(e.details()) from None
         raise RuntimeError(f"sandbox service: {e.code().name}: {e.details()}") from None
 
 
@@ -191,7 +193,7 @@ def cmd_sandbox_test(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="temper", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--home", default=".temper", help="where state, logs and data live (default .temper)")
-    parser.add_argument("--config", default=None, help="TOML config (default deploy/local/temper.toml)")
+    parser.add_argument("--config", default=None, help="TOML config (default: the shipped job temper.jobs/toy.toml)")
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start the broker and services")
     up.add_argument("services", nargs="*", choices=[[], *SERVICES], metavar="SERVICE")
@@ -211,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--timeout", type=float, default=180.0, help="start-up timeout, seconds")
     run.add_argument("--job-timeout", type=float, default=1800.0)
     run.set_defaults(fn=cmd_run)
-    sb = sub.add_parser("sandbox", help="run code in the gVisor sandbox: the running service, else in-process")
+    sb = sub.add_parser("sandbox", help="run code in the gVisor sandbox service (the running one, else a short-lived one)")
     sbsub = sb.add_subparsers(dest="sandbox_command", required=True)
     for name, helptext, fn in (("exec", "run FILE once; prints the verdict as JSON", cmd_sandbox_exec),
                                ("test", "run PROGRAM against TESTFILE (.json/.jsonl cases, or a Python "

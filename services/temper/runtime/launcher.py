@@ -18,12 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from temper import jobs
 from temper.runtime.broker import free_port, start_broker
 from temper.runtime.rpc import check_health
 
 # start order: dependencies first
 SERVICES = ("inference", "sandbox", "reward", "replay", "monitor", "learner", "scheduler")
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "local" / "temper.toml"
 
 
 @dataclass
@@ -65,7 +65,7 @@ def pid_alive(pid: int) -> bool:
 class Launcher:
     def __init__(self, home: str | Path = ".temper", config: str | Path | None = None):
         self.home = Path(home).resolve()
-        self.config_path = Path(config).resolve() if config else DEFAULT_CONFIG
+        self.config_path = Path(config).resolve() if config else jobs.path()
         self.state_file = self.home / "state.json"
 
     # -- state -----------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import sys
 from temper.client.sdk import InferenceClient
 from temper.runtime import kafka
 from temper.runtime.config import ServiceConfig, load_config
-from temper.runtime.rpc import Service, serve
+from temper.runtime.rpc import Service, client, serve
 from temper.scheduler.core import Job, JobSpec
 from temper.scheduler.servicer import SchedulerServicer
 from temper.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -21,7 +21,7 @@ class SchedulerConfig(ServiceConfig):
 
 def main(argv: list[str] | None = None) -> None:
     config = load_config(SchedulerConfig, sys.argv[1:] if argv is None else argv)
-    inference = InferenceClient(config.inference_address)
+    inference = client(InferenceClient, config.inference_address)
     state: dict = {}
 
     def make_job(spec: JobSpec) -> Job:

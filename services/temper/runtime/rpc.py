@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Iterable
 from concurrent import futures
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -21,12 +22,12 @@ from opentelemetry.instrumentation.grpc import client_interceptor, server_interc
 from opentelemetry.instrumentation.grpc.grpcext import intercept_channel
 from prometheus_client import Counter, start_http_server
 
+from temper.client import transport
+from temper.client.transport import MAX_MESSAGE_BYTES
 from temper.runtime.config import ServiceConfig
 from temper.runtime.errors import TemperError
 from temper.runtime.logs import get_logger, setup_logging
 from temper.runtime.tracing import setup_tracing, shutdown_tracing
-
-MAX_MESSAGE_BYTES = 64 << 20
 
 RPC_ERRORS = Counter("temper_rpc_errors_total", "RPCs answered with an error status", ["method", "code"])
 
@@ -161,18 +162,16 @@ def serve(config: ServiceConfig, service: Service) -> None:
 
 
 def channel(address: str) -> grpc.Channel:
-    """A client channel that carries the trace context in metadata."""
-    ch = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
-    return intercept_channel(ch, client_interceptor())
+    """A client channel that carries the trace context in metadata (the SDK's channel + OTel)."""
+    return intercept_channel(transport.channel(address), client_interceptor())
 
 
-def check_health(address: str, timeout: float = 1.0, service: str = "") -> str:
-    """The health status name of the server at ``address`` ("UNREACHABLE" if it does not answer)."""
-    with grpc.insecure_channel(address) as ch:
-        try:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
-                                                        timeout=timeout)
-        except grpc.RpcError:
-            return "UNREACHABLE"
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+C = TypeVar("C")
+
+
+def client(cls: type[C], address: str, **kw) -> C:
+    """An SDK client (``temper.client.sdk``) whose calls carry this process's trace context."""
+    return cls(address, channel=channel(address), **kw)
+
+
+check_health = transport.check_health

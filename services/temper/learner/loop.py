@@ -18,6 +18,7 @@ import grpc
 from prometheus_client import Counter, Gauge
 
 from temper.client.sdk import InferenceClient, ReplayClient
+from temper.inference.weights import chunks_from_tensors
 from temper.learner import checkpoint
 from temper.learner.batching import batch_from_groups
 from temper.learner.trainer import Trainer
@@ -170,7 +171,7 @@ class LearnerLoop:
         weights = self.trainer.weights()
         for replica in replicas:
             try:
-                replica.update_weights(weights, new_version=version)
+                replica.update_weights(chunks_from_tensors(weights, new_version=version))
             except grpc.RpcError as e:
                 self.state.push_failures += 1
                 PUSH_FAILURES.inc()

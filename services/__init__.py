@@ -1,1 +1,0 @@
-"""Temper: RL post-training of LLMs as separately deployable services."""
