@@ -5,6 +5,8 @@
   temper down               stop everything `up` started
   temper restart SERVICE    stop one service and start it again (--kill: SIGKILL)
   temper run                up + the default job + report (runs/latest) + down
+  temper doctor             check what this machine needs, and say how to fix what is missing
+  temper sandbox languages  the languages the sandbox runs, with their aliases (python, py, c++, sh, ...)
   temper sandbox exec FILE  run FILE in the gVisor sandbox service; prints the verdict as JSON ("status")
   temper sandbox test PROGRAM TESTFILE   run PROGRAM against the tests in TESTFILE
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -57,17 +60,34 @@ def cmd_restart(args) -> int:
     return 0
 
 
+def job_spec(table: dict, source: Path):
+    """The [job] table as a validated JobSpec; a user mistake is a ValueError naming table, key and allowed values."""
+    import dataclasses
+
+    from temper.runtime.errors import InvalidArgument
+    from temper.scheduler.core import JobSpec
+
+    allowed = [f.name for f in dataclasses.fields(JobSpec)]
+    unknown = sorted(set(table) - set(allowed))
+    if unknown:
+        raise ValueError(f"{source}: [job] has unknown key(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
+    try:
+        spec = JobSpec(**table)
+        spec.validate()
+    except InvalidArgument as e:
+        raise ValueError(f"{source}: [job] {e}") from None
+    return spec
+
+
 def cmd_run(args) -> int:
     from temper.cli.job import follow_job, write_report
-    from temper.scheduler.core import JobSpec
 
     launcher = _launcher(args)
     config = launcher.config()
     job = dict(config.get("job", {}))
     if args.steps:
         job["steps"] = args.steps
-    spec = JobSpec(**job)
-    spec.validate()
+    spec = job_spec(job, launcher.config_path)
     t0 = time.monotonic()
     print(f"starting Temper ({', '.join(SERVICES)}) ...", flush=True)
     state = launcher.up(timeout=args.timeout)
@@ -190,35 +210,90 @@ def cmd_sandbox_test(args) -> int:
     return 0 if status == "OK" else 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def cmd_sandbox_languages(args) -> int:
+    from temper.runtime.config import load_config
+    from temper.sandbox.config import SandboxConfig
+
+    presets = load_config(SandboxConfig, ["--config", str(_launcher(args).config_path)]).language_presets()
+    seen = {}
+    for lang in presets.values():
+        seen.setdefault(lang.name, lang)
+    for name, lang in sorted(seen.items()):
+        tests = "assertion scripts + stdin/stdout" if lang.test_harness else "stdin/stdout"
+        print(f"{name:<10} aliases: {', '.join(lang.aliases) or '-':<28} files: {', '.join(lang.extensions) or '-':<16} "
+              f"tests: {tests}")
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    from temper.cli.doctor import run_checks
+
+    checks = run_checks(_launcher(args).config_path, Path(args.home))
+    for c in checks:
+        print(f"{'ok ' if c.ok else 'FAIL'}  {c.name:<22} {c.detail}")
+        if not c.ok and c.fix:
+            print(f"      {'':<22} fix: {c.fix}")
+    failed = [c for c in checks if not c.ok]
+    print("everything Temper needs is here" if not failed else f"{len(failed)} problem(s) found")
+    return 1 if failed else 0
+
+
+def _global_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
+    """--home, --config and --log-level, accepted before the subcommand (``defaults``) and after it
+    (SUPPRESS: given there, they override; absent, the value from before the subcommand stands)."""
+    d = (lambda v: v) if defaults else (lambda v: argparse.SUPPRESS)
+    parser.add_argument("--home", default=d(".temper"), help="where state, logs and data live (default .temper)")
+    parser.add_argument("--config", default=d(None), help="job/service TOML config (default: the shipped job "
+                                                          "temper/jobs/toy.toml)")
+    parser.add_argument("--log-level", default=d(None), choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="log level of the services this command starts")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"temper {version('temper')} (temper-client {version('temper-client')})"
+    except PackageNotFoundError:
+        return "temper (not installed as a distribution)"
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="temper", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--home", default=".temper", help="where state, logs and data live (default .temper)")
-    parser.add_argument("--config", default=None, help="TOML config (default: the shipped job temper.jobs/toy.toml)")
+    parser.add_argument("--version", action="version", version=_version())
+    _global_options(parser, defaults=True)
+    common = argparse.ArgumentParser(add_help=False)
+    _global_options(common, defaults=False)
     sub = parser.add_subparsers(dest="command", required=True)
-    up = sub.add_parser("up", help="start the broker and services")
+
+    def command(name: str, fn, helptext: str, into=sub) -> argparse.ArgumentParser:
+        p = into.add_parser(name, help=helptext, parents=[common])
+        p.set_defaults(fn=fn)
+        return p
+
+    up = command("up", cmd_up, "start the broker and services")
     up.add_argument("services", nargs="*", choices=[[], *SERVICES], metavar="SERVICE")
     up.add_argument("--timeout", type=float, default=120.0)
-    up.set_defaults(fn=cmd_up)
-    st = sub.add_parser("status", help="health and address of each process")
+    st = command("status", cmd_status, "health and address of each process")
     st.add_argument("--json", action="store_true")
-    st.set_defaults(fn=cmd_status)
-    sub.add_parser("down", help="stop everything `up` started").set_defaults(fn=cmd_down)
-    rs = sub.add_parser("restart", help="stop one service and start it again on the same address")
+    command("down", cmd_down, "stop everything `up` started")
+    rs = command("restart", cmd_restart, "stop one service and start it again on the same address")
     rs.add_argument("service", choices=SERVICES)
     rs.add_argument("--kill", action="store_true", help="SIGKILL instead of a graceful SIGTERM")
-    rs.set_defaults(fn=cmd_restart)
-    run = sub.add_parser("run", help="run the embedded default job")
+    run = command("run", cmd_run, "run the embedded default job")
     run.add_argument("--steps", type=int, default=0, help="override the job's steps")
     run.add_argument("--runs", default="runs", help="reports go to RUNS/<time>/ and RUNS/latest")
     run.add_argument("--timeout", type=float, default=180.0, help="start-up timeout, seconds")
     run.add_argument("--job-timeout", type=float, default=1800.0)
-    run.set_defaults(fn=cmd_run)
-    sb = sub.add_parser("sandbox", help="run code in the gVisor sandbox service (the running one, else a short-lived one)")
+    command("doctor", cmd_doctor, "check what this machine needs (runsc, broker, model, memory, ports)")
+    sb = sub.add_parser("sandbox", help="run code in the gVisor sandbox service (the running one, else a short-lived one)",
+                        parents=[common])
     sbsub = sb.add_subparsers(dest="sandbox_command", required=True)
+    command("languages", cmd_sandbox_languages, "the languages (and their aliases) the sandbox runs", into=sbsub)
     for name, helptext, fn in (("exec", "run FILE once; prints the verdict as JSON", cmd_sandbox_exec),
                                ("test", "run PROGRAM against TESTFILE (.json/.jsonl cases, or a Python "
                                         "assertion script)", cmd_sandbox_test)):
-        p = sbsub.add_parser(name, help=helptext)
+        p = command(name, fn, helptext, into=sbsub)
         if name == "exec":
             p.add_argument("file")
             p.add_argument("--stdin", default=None, help="file fed to the program's stdin")
@@ -226,11 +301,18 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("program")
             p.add_argument("testfile")
             p.add_argument("--stop-on-first-failure", action="store_true")
-        p.add_argument("--language", default="", help="python3, c, cpp, bash, ... (default: from the file name)")
+        p.add_argument("--language", default="", help="python3, c, cpp, bash, ... or an alias (python, py, c++, sh); "
+                                                      "default: from the file name")
         p.add_argument("--timeout", type=float, default=0.0, help="wall-clock seconds (default: the service's)")
         p.add_argument("--memory-mb", type=int, default=0, help="memory limit (default: the service's)")
-        p.set_defaults(fn=fn)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.log_level:  # every service reads TEMPER_<SERVICE>_LOG_LEVEL
+        for name in SERVICES:
+            os.environ[f"TEMPER_{name.upper()}_LOG_LEVEL"] = args.log_level
     try:
         return args.fn(args)
     except (RuntimeError, TimeoutError, ValueError, FileNotFoundError) as e:

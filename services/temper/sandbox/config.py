@@ -40,6 +40,7 @@ class LanguageConfig(BaseModel):
     harness_runs: bool = False
     extensions: list[str] = []
     env: dict[str, str] = {}
+    aliases: list[str] = []
 
 
 class SandboxConfig(ServiceConfig):

@@ -72,6 +72,7 @@ class Language:
     harness_runs: bool = False  # plain runs go through test_harness too ("run" mode; see harness.py)
     extensions: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
+    aliases: tuple[str, ...] = ()  # other names a request may use ("python", "py" for python3)
 
 
 @dataclass(frozen=True)
@@ -209,7 +210,7 @@ def validate(program: Program, languages: Mapping[str, Language], policy: Policy
     """Raise InvalidArgument naming the offending field (``prefix`` + its name)."""
     lang = languages.get(program.language) if program.language else None
     require(not program.language or lang is not None, f"{prefix}language",
-            f"unknown language {program.language!r}; known: {sorted(languages)}")
+            f"unknown language {program.language!r}; known: {', '.join(sorted(languages))}")
     require(bool(program.language or program.command), f"{prefix}language",
             "required unless a command is given")
     require(len(program.files) > 0, f"{prefix}files", "at least one source file is required")
@@ -457,11 +458,21 @@ class Executor:
 
 
 def load_languages(tables: Mapping[str, Mapping]) -> dict[str, Language]:
-    """Language presets from config tables (see languages.toml)."""
-    out = {}
+    """Language presets from config tables (see languages.toml), keyed by name and by every alias.
+
+    An alias maps to the same Language (its ``name`` stays the canonical one); a name or alias
+    claimed twice is a configuration error naming both languages.
+    """
+    out: dict[str, Language] = {}
+    owner: dict[str, str] = {}
     for name, t in tables.items():
-        out[name] = Language(name=name, source_file=t["source_file"], run=tuple(t["run"]),
-                             compile=tuple(t.get("compile", ())), test_harness=tuple(t.get("test_harness", ())),
-                             harness_runs=bool(t.get("harness_runs", False)), extensions=tuple(t.get("extensions", ())),
-                             env=dict(t.get("env", {})))
+        lang = Language(name=name, source_file=t["source_file"], run=tuple(t["run"]),
+                        compile=tuple(t.get("compile", ())), test_harness=tuple(t.get("test_harness", ())),
+                        harness_runs=bool(t.get("harness_runs", False)), extensions=tuple(t.get("extensions", ())),
+                        env=dict(t.get("env", {})), aliases=tuple(t.get("aliases", ())))
+        for key in (name, *lang.aliases):
+            if key in owner and owner[key] != name:
+                raise ValueError(f"languages: {key!r} names both {owner[key]!r} and {name!r}")
+            owner[key] = name
+            out[key] = lang
     return out
