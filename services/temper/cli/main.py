@@ -242,7 +242,8 @@ def _global_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
     """--home, --config and --log-level, accepted before the subcommand (``defaults``) and after it
     (SUPPRESS: given there, they override; absent, the value from before the subcommand stands)."""
     d = (lambda v: v) if defaults else (lambda v: argparse.SUPPRESS)
-    parser.add_argument("--home", default=d(".temper"), help="where state, logs and data live (default .temper)")
+    parser.add_argument("--home", default=d(os.environ.get("TEMPER_HOME", ".temper")),
+                        help="where state, logs and data live (default $TEMPER_HOME, else .temper)")
     parser.add_argument("--config", default=d(None), help="job/service TOML config (default: the shipped job "
                                                           "temper/jobs/toy.toml)")
     parser.add_argument("--log-level", default=d(None), choices=["DEBUG", "INFO", "WARNING", "ERROR"],
