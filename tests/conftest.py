@@ -1,18 +1,26 @@
-"""Shared fixtures: a real broker, a real local stack of services, all on 127.0.0.1.
+"""Shared fixtures: a real broker, a real local stack of services, one service as a process; all on 127.0.0.1.
 
-Everything a fixture starts it stops, by PID (the launcher records them).
+Everything a fixture or helper starts it stops, by PID (the launcher records them; ``spawn_service``
+holds its Popen).
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
-from temper.runtime.broker import free_port, start_broker
+from temper.runtime.broker import start_broker_on_free_port
 from temper.runtime.launcher import Launcher, pid_alive
+from temper.runtime.rpc import check_health
+from temper.runtime.service import read_port_file
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -21,8 +29,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 @pytest.fixture
 def broker(tmp_path):
     """A fresh embedded Kafka-compatible broker; yields its bootstrap address."""
-    port = free_port()
-    proc = start_broker(port, tmp_path / "broker.log")
+    proc, port = start_broker_on_free_port(tmp_path / "broker.log")
     yield f"127.0.0.1:{port}"
     proc.kill()
     proc.wait(10)
@@ -48,3 +55,81 @@ def wait_until(predicate, timeout: float = 30.0, interval: float = 0.05, what: s
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+C = TypeVar("C")
+
+
+@dataclass
+class ServiceHandle:
+    """One ``python -m temper.<name>`` process that ``spawn_service`` started and saw SERVING."""
+
+    name: str
+    proc: subprocess.Popen
+    address: str
+    metrics_port: int
+    log: Path
+    data_dir: Path
+
+    @property
+    def port(self) -> int:
+        return int(self.address.rsplit(":", 1)[1])
+
+    def client(self, cls: type[C], **kw) -> C:
+        """An SDK client (``temper.client.sdk``) of this service."""
+        return cls(self.address, **kw)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash: nothing is flushed or committed."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+    def stop(self, grace: float = 30.0) -> None:
+        """SIGTERM (the service drains and closes), SIGKILL after ``grace`` seconds."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def spawn_service(name: str, workdir: Path, *args: str, port: int = 0, timeout: float = 120.0) -> ServiceHandle:
+    """Start ``python -m temper.<name> *args`` on 127.0.0.1 and return once it is SERVING.
+
+    The service binds ``port`` (0: the OS picks; pass a stopped service's port to restart it on the
+    same address) and reports what it got in a port file; the helper then waits on its health
+    check. If it exits or is not SERVING within ``timeout``, it is stopped and the error shows the
+    end of its log (``workdir/<name>.log``; several spawns of one name append to it).
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    log, port_file, data_dir = workdir / f"{name}.log", workdir / f"{name}.port.json", workdir / f"{name}-data"
+    port_file.unlink(missing_ok=True)
+    argv = [sys.executable, "-m", f"temper.{name}", "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0",
+            "--port-file", str(port_file), "--data-dir", str(data_dir), "--grace-seconds", "2", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONUNBUFFERED": "1"}
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO,
+                                env=env, start_new_session=True)
+    handle = ServiceHandle(name, proc, "", -1, log, data_dir)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}")
+            if not handle.address:
+                report = read_port_file(port_file)
+                if report is not None and report["pid"] == proc.pid:
+                    handle.address, handle.metrics_port = report["address"], report["metrics_port"]
+            if handle.address and check_health(handle.address, timeout=0.5) == "SERVING":
+                return handle
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} not SERVING after {timeout:.0f}s")
+            time.sleep(0.05)
+    except BaseException as e:
+        handle.stop(grace=10)
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+        raise RuntimeError(f"{e}; its log ({log}) ends:\n{tail}") from None

@@ -31,7 +31,7 @@ from temper.client.sdk import InferenceClient
 from temper.inference.engine import SamplingParams, build_engine
 from temper.inference.weights import chunks_from_tensors
 from temper.models.smollm2 import DEFAULT_DIR, ensure_smollm2
-from tests.inference.server import inference_server
+from tests.conftest import spawn_service
 
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(1800)]
 
@@ -112,9 +112,11 @@ def test_inference_bench(tmp_path):
         return call
 
     best: dict = {}
-    with inference_server(model_dir, "vllm", tmp_path / "inference.log", "--dtype", "auto", "--max-model-len", "1024",
-                          "--kv-cache-memory-bytes", str(256 << 20)) as (address, proc):
-        client = InferenceClient(address, timeout=600)
+    svc = spawn_service("inference", tmp_path, "--model-dir", str(model_dir), "--engine", "vllm", "--dtype", "auto",
+                        "--max-model-len", "1024", "--kv-cache-memory-bytes", str(256 << 20), timeout=240)
+    proc = svc.proc
+    try:
+        client = svc.client(InferenceClient, timeout=600)
 
         def over_grpc(k):
             resp = client.generate(prompts[k * PROMPTS_PER_CALL:(k + 1) * PROMPTS_PER_CALL], n=N, temperature=1.0,
@@ -151,6 +153,8 @@ def test_inference_bench(tmp_path):
                 apply_seconds = resp.apply_seconds
             assert resp.policy_version == i + 1
         client.close()
+    finally:
+        svc.stop()
     vllm.close()
     hf.close()
 

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from temper.v1 import sandbox_pb2
-from tests.sandbox.helpers import SandboxService
+from tests.sandbox.helpers import client as sandbox_client
+from tests.sandbox.helpers import start_sandbox
 
 pytestmark = pytest.mark.bench
 
@@ -119,7 +120,7 @@ def measure(call, n: int, concurrency: int, pause: float = 0.0, cpu=children_cpu
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    svc = SandboxService(tmp_path_factory.mktemp("bench"), "--max-concurrency", str(CORES), "--max-queue", "16")
+    svc = start_sandbox(tmp_path_factory.mktemp("bench"), "--max-concurrency", str(CORES), "--max-queue", "16")
     yield svc
     svc.stop()
 
@@ -136,7 +137,7 @@ def test_sandbox_bench(service):
             assert p.returncode == 0, p.stderr
         return call
 
-    client = service.client()
+    client = sandbox_client(service)
 
     def trivial():
         r = client.execute(TRIVIAL, wall_seconds=10)

@@ -12,7 +12,7 @@ from temper.client.sdk import InferenceClient
 from temper.inference.weights import chunks_from_tensors
 from temper.runtime.rpc import check_health
 from temper.v1 import inference_pb2
-from tests.inference.server import inference_server
+from tests.conftest import spawn_service
 from tests.inference.teacher import max_logprob_error, perturbed, set_weights
 
 IA = grpc.StatusCode.INVALID_ARGUMENT
@@ -20,13 +20,15 @@ IA = grpc.StatusCode.INVALID_ARGUMENT
 
 @pytest.fixture(scope="module")
 def service(tiny_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("inference") / "inference.log"
-    with inference_server(tiny_dir, "vllm", log, "--dtype", "float32", "--kv-cache-memory-bytes",
-                          str(32 << 20)) as (address, proc):
-        client = InferenceClient(address, timeout=120)
-        yield client, proc
+    svc = spawn_service("inference", tmp_path_factory.mktemp("inference"), "--model-dir", str(tiny_dir), "--engine",
+                        "vllm", "--dtype", "float32", "--kv-cache-memory-bytes", str(32 << 20), timeout=240)
+    try:
+        client = svc.client(InferenceClient, timeout=120)
+        yield client, svc.proc
         client.close()
-    assert proc.poll() is not None, "the server outlived its test"
+    finally:
+        svc.stop()
+    assert svc.proc.poll() is not None, "the server outlived its test"
 
 
 def expect(code, field, fn, *args, **kwargs):

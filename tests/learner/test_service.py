@@ -169,7 +169,7 @@ def test_unknown_algorithm_names_stop_the_service_at_start_up_naming_the_field()
                           text=True, timeout=120)
     assert proc.returncode != 0 and "invalid configuration (advantage)" in proc.stderr, proc.stderr[-2000:]
     assert "unknown advantage estimator 'ppo2'" in proc.stderr
-    from temper.learner.__main__ import LearnerConfig  # the same validation, in-process for the other names
+    from temper.learner.config import LearnerConfig  # the same validation, in-process for the other names
 
     for flag, value in (("--policy-loss", "clip"), ("--kl-estimator", "k9"), ("--loss-aggregation", "sum"),
                         ("--off-policy-correction", "is")):

@@ -14,10 +14,10 @@ from kafka.structs import OffsetAndMetadata, TopicPartition
 from temper.client.sdk import RewardClient
 from temper.reward.dataset import read_topic
 from temper.runtime import kafka
-from temper.runtime.broker import free_port
 from temper.v1 import common_pb2, sandbox_pb2
 from tests.conftest import wait_until
-from tests.reward.conftest import ServiceProcess, component, group, start_sandbox
+from tests.conftest import spawn_service
+from tests.reward.conftest import component, group, start_sandbox
 
 SUITE = json.dumps({"tests": [{"stdin": "1 2\n", "expected_stdout": "3\n"}, {"stdin": "4\n", "expected_stdout": "4\n"}]})
 RIGHT = "```python\nprint(sum(map(int, input().split())))\n```"
@@ -42,7 +42,11 @@ def rewind(bootstrap: str, group_id: str, topic: str) -> None:
 
 
 def test_stream_outage_redelivery_and_rpc(broker, tmp_path):
-    sandbox_port = free_port()
+    # the sandbox's address is needed before it runs: start it once (port 0) for its port, stop it; it
+    # comes back on that port later, as `temper restart` brings a service back on its own address
+    sandbox = start_sandbox(tmp_path)
+    sandbox.stop()
+    sandbox_port = sandbox.port
     config = tmp_path / "temper.toml"
     config.write_text(f"""
 [reward]
@@ -55,8 +59,7 @@ retry_backoff_seconds = 0.1
 timeout_seconds = 10
 """)
     args = ("--config", str(config), "--kafka-bootstrap", broker)
-    reward = ServiceProcess("reward", tmp_path, *args)
-    sandbox = None
+    reward = spawn_service("reward", tmp_path, *args)
     producer = kafka.ProtoProducer(broker, "test")
     try:
         # 1. a code rollout while no sandbox runs: held back and retried, nothing published
@@ -90,7 +93,7 @@ timeout_seconds = 10
         # 3. a crash before the offsets were committed: everything comes again
         reward.kill()
         rewind(broker, "temper-reward", kafka.ROLLOUTS)
-        reward = ServiceProcess("reward", tmp_path, *args, port=reward.port)
+        reward = spawn_service("reward", tmp_path, *args, port=reward.port)
         wait_until(lambda: len(scored_messages(broker)) == 8, 60, interval=0.5, what="4 redelivered groups")
         again = scored_messages(broker)[4:]
         assert sorted(g.group_id for g in again) == sorted(published)
@@ -121,5 +124,4 @@ timeout_seconds = 10
     finally:
         producer.close()
         reward.stop()
-        if sandbox is not None:
-            sandbox.stop()
+        sandbox.stop()

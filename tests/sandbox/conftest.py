@@ -8,19 +8,19 @@ from __future__ import annotations
 
 import pytest
 
-from tests.sandbox.helpers import SandboxService
+from tests.sandbox.helpers import assert_clean, client as sandbox_client, start_sandbox
 
 
 @pytest.fixture(scope="session")
 def service(tmp_path_factory):
     """The shared sandbox service: 2 executions at once, 2 queued, 2 sandboxes kept warm."""
-    svc = SandboxService(tmp_path_factory.mktemp("sandbox"), "--max-concurrency", "2", "--max-queue", "2")
+    svc = start_sandbox(tmp_path_factory.mktemp("sandbox"), "--max-concurrency", "2", "--max-queue", "2")
     yield svc
     svc.stop()
-    svc.assert_clean()
+    assert_clean(svc)
 
 
 @pytest.fixture(scope="session")
 def client(service):
-    with service.client() as c:
+    with sandbox_client(service) as c:
         yield c

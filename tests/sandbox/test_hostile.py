@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sandbox.helpers import verdict
+from tests.sandbox.helpers import cgroup_dirs, verdict
 
 FORK_BOMB_PY = """
 import os
@@ -69,7 +69,7 @@ def wait_until(predicate, timeout=15.0, what="condition"):
 
 def assert_host_recovered(service, client):
     """The hostile sandbox is gone (only warm ones remain) and the service still runs programs."""
-    wait_until(lambda: len(list(service.cgroup_dirs[0].glob("temper-*"))) <= 2, what="hostile sandbox removed")
+    wait_until(lambda: len(list(cgroup_dirs(service)[0].glob("temper-*"))) <= 2, what="hostile sandbox removed")
     resp = client.execute("print(6 * 7)", wall_seconds=10)
     assert verdict(resp) == "OK" and resp.stdout == b"42\n", resp
 

@@ -19,7 +19,8 @@ from temper.client.sdk import SandboxClient
 from temper.runtime import kafka
 from temper.runtime.launcher import Proc, State, pid_alive
 from temper.v1 import sandbox_pb2
-from tests.sandbox.helpers import REPO, SandboxService, verdict
+from tests.sandbox.helpers import REPO, assert_clean, cgroup_dirs, sandbox_pids, start_sandbox, verdict
+from tests.sandbox.helpers import client as sandbox_client
 
 OK_SOURCE = "print('ok')\n"
 
@@ -111,7 +112,7 @@ def test_still_serving_after_bad_requests(client):
 def test_queue_full_is_resource_exhausted(service):
     """2 run, 2 wait, the rest are refused at once."""
     def call(_):
-        with service.client() as c:
+        with sandbox_client(service) as c:
             try:
                 return verdict(c.execute("import time\ntime.sleep(2)\n", wall_seconds=10))
             except grpc.RpcError as e:
@@ -125,16 +126,16 @@ def test_queue_full_is_resource_exhausted(service):
 
 
 def test_traces_are_published_to_kafka(broker, tmp_path):
-    svc = SandboxService(tmp_path, "--max-concurrency", "1", "--pool-size", "1", "--trace-max-bytes", "100",
-                         kafka_bootstrap=broker)
+    svc = start_sandbox(tmp_path, "--max-concurrency", "1", "--pool-size", "1", "--trace-max-bytes", "100",
+                        kafka_bootstrap=broker)
     try:
-        with svc.client() as c:
+        with sandbox_client(svc) as c:
             executed = c.execute("print('x' * 1000)")
             tested = c.run_tests("def add(a, b):\n    return a + b\n", ["assert add(1, 1) == 2", "assert add(1, 1) == 3"])
         assert verdict(executed) == "OK" and tested.passed == 1
     finally:
         svc.stop()
-    svc.assert_clean()
+    assert_clean(svc)
     consumer = KafkaConsumer(kafka.SANDBOX_TRACES, bootstrap_servers=broker, auto_offset_reset="earliest",
                              consumer_timeout_ms=10_000)
     records = []
@@ -209,27 +210,27 @@ def test_cli_through_the_running_service(service, tmp_path):
 
 def test_sandboxes_end_when_the_service_dies(tmp_path):
     """SIGKILL of the service: its sandboxes end by themselves; the next instance sweeps what is left."""
-    first = SandboxService(tmp_path, "--max-concurrency", "1", "--pool-size", "2")
+    first = start_sandbox(tmp_path, "--max-concurrency", "1", "--pool-size", "2")
     deadline = time.monotonic() + 30
-    while len({p.parent for p in first.cgroup_dirs[0].glob("*/cgroup.procs")}) < 2 and time.monotonic() < deadline:
+    while len({p.parent for p in cgroup_dirs(first)[0].glob("*/cgroup.procs")}) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
-    sandbox_pids = first.sandbox_pids()
-    assert sandbox_pids
+    pids = sandbox_pids(first)
+    assert pids
     first.proc.kill()
     first.proc.wait()
     deadline = time.monotonic() + 30
-    while [p for p in sandbox_pids if pid_alive(p)] and time.monotonic() < deadline:
+    while [p for p in pids if pid_alive(p)] and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [p for p in sandbox_pids if pid_alive(p)], "sandboxes outlived their service"
-    second = SandboxService(tmp_path, "--max-concurrency", "1", "--pool-size", "0")
+    assert not [p for p in pids if pid_alive(p)], "sandboxes outlived their service"
+    second = start_sandbox(tmp_path, "--max-concurrency", "1", "--pool-size", "0")
     try:
-        assert not any(d.exists() for d in first.cgroup_dirs)
+        assert not any(d.exists() for d in cgroup_dirs(first))
         assert not (first.data_dir / f"instance-{first.proc.pid}").exists()
-        with second.client() as c:
+        with sandbox_client(second) as c:
             assert verdict(c.execute(OK_SOURCE)) == "OK"
     finally:
         second.stop()
-    second.assert_clean()
+    assert_clean(second)
 
 
 def test_a_language_is_a_config_entry(tmp_path):

@@ -45,50 +45,55 @@ class TrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # algorithm (registered names: see temper.learner.algos)
-    advantage: str = "grpo"
-    policy_loss: str = "ppo_clip"
-    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
-    gamma: float = Field(1.0, ge=0, le=1)  # discount (GAE, REINFORCE++)
-    lam: float = Field(0.95, ge=0, le=1)  # GAE lambda
-    advantage_eps: float = Field(1e-6, gt=0)
-    clip_low: float = Field(0.2, ge=0, lt=1)  # ratio clipped to [1 - clip_low, 1 + clip_high]
-    clip_high: float = Field(0.2, ge=0)
-    dual_clip: float = Field(0.0, ge=0)  # 0: off; else c > 1 bounds the objective of A < 0 tokens by c * A
+    advantage: str = Field("grpo", description="advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, gae")
+    policy_loss: str = Field("ppo_clip", description="policy loss: ppo_clip, gspo")
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = Field(
+        "token_mean", description="how token losses become the batch loss (seq_mean_token_sum: Dr.GRPO)")
+    gamma: float = Field(1.0, ge=0, le=1, description="discount (GAE, REINFORCE++)")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda")
+    advantage_eps: float = Field(1e-6, gt=0, description="added to the std that normalises advantages")
+    clip_low: float = Field(0.2, ge=0, lt=1, description="ratio clipped to [1 - clip_low, 1 + clip_high]")
+    clip_high: float = Field(0.2, ge=0, description="ratio clipped to [1 - clip_low, 1 + clip_high]")
+    dual_clip: float = Field(0.0, ge=0, description="0: off; else c > 1 bounds the objective of A < 0 tokens by c * A")
     # critic (GAE)
-    value_lr: float = Field(0.0, ge=0)  # 0: same as lr
-    value_clip: float = Field(0.2, ge=0)  # 0: unclipped value loss
+    value_lr: float = Field(0.0, ge=0, description="critic learning rate (GAE); 0: same as lr")
+    value_clip: float = Field(0.2, ge=0, description="critic value clipping (GAE); 0: unclipped value loss")
     # KL to the frozen reference (the initial weights), and entropy bonus
-    kl_coef: float = Field(0.0, ge=0)  # 0: no reference model, no KL
-    kl_estimator: str = "k3"
-    kl_in: Literal["loss", "reward"] = "loss"
-    kl_target: float = Field(0.0, ge=0)  # > 0: adaptive coefficient towards this KL (nats/token)
-    kl_horizon: int = Field(10_000, ge=1)
-    entropy_coef: float = Field(0.0, ge=0)
+    kl_coef: float = Field(0.0, ge=0, description="KL to the frozen initial policy; 0: no reference model, no KL")
+    kl_estimator: str = Field("k3", description="KL estimator: k1, k2, k3")
+    kl_in: Literal["loss", "reward"] = Field("loss", description="where the KL term goes: the loss or the reward")
+    kl_target: float = Field(0.0, ge=0, description="> 0: adaptive coefficient towards this KL (nats/token)")
+    kl_horizon: int = Field(10_000, ge=1, description="horizon of the adaptive KL coefficient (beta moves by n / horizon)")
+    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus coefficient")
     # optimisation
-    lr: float = Field(1e-3, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0)
-    epochs: int = Field(1, ge=1)  # optimisation passes over each batch
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
-    total_steps: int = Field(0, ge=0)  # steps of the linear/cosine decay
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
-    lr_kl_target: float = Field(0.0, ge=0)  # > 0: LR backs off while the per-step policy shift KL > 2x this
-    lr_kl_factor: float = Field(1.5, gt=1)
-    micro_batch_tokens: int = Field(0, ge=0)  # gradient accumulation budget (prompt + completion tokens); 0: off
-    packing: bool = True
-    pack_length: int = Field(0, ge=0)  # packed row length; 0: the longest sequence of the micro-batch
+    lr: float = Field(1e-3, gt=0, description="learning rate (AdamW)")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradients are clipped to this global norm")
+    epochs: int = Field(1, ge=1, description="optimisation passes over each batch")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="learning-rate schedule")
+    warmup_steps: int = Field(0, ge=0, description="linear warm-up steps of the schedule")
+    total_steps: int = Field(0, ge=0, description="steps of the linear/cosine decay")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="the decay ends at lr * min_lr_ratio")
+    lr_kl_target: float = Field(0.0, ge=0, description="> 0: LR backs off while the per-step policy shift KL > 2x "
+                                                       "this")
+    lr_kl_factor: float = Field(1.5, gt=1, description="LR back-off factor of lr_kl_target")
+    micro_batch_tokens: int = Field(0, ge=0, description="gradient accumulation budget (prompt + completion tokens); "
+                                                         "0: off")
+    packing: bool = Field(True, description="padding-free rows (block-diagonal attention)")
+    pack_length: int = Field(0, ge=0, description="packed row length; 0: the longest sequence of the micro-batch")
     # off-policy
-    max_staleness: int = Field(-1, ge=-1)  # drop groups more than this many versions old; -1: keep all
-    off_policy_correction: Literal["none", "tis"] = "none"
-    tis_cap: float = Field(2.0, ge=1)
+    max_staleness: int = Field(-1, ge=-1, description="drop groups more than this many versions old; -1: keep all")
+    off_policy_correction: Literal["none", "tis"] = Field("none", description="tis: truncated importance weights")
+    tis_cap: float = Field(2.0, ge=1, description="cap of the truncated importance weights")
     # LoRA (PEFT); 0: full fine-tuning
-    lora_rank: int = Field(0, ge=0)
-    lora_alpha: float = Field(16.0, gt=0)
-    lora_dropout: float = Field(0.0, ge=0, lt=1)
-    lora_target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
-    lora_modules_to_save: list[str] = []  # trained in full next to the adapters (e.g. embed_tokens); ties kept
-    seed: int = 0
+    lora_rank: int = Field(0, ge=0, description="> 0: LoRA adapters (PEFT) of this rank; 0: full fine-tuning")
+    lora_alpha: float = Field(16.0, gt=0, description="LoRA alpha")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout")
+    lora_target_modules: list[str] = Field(["q_proj", "k_proj", "v_proj", "o_proj"],
+                                           description="modules that get LoRA adapters")
+    lora_modules_to_save: list[str] = Field([], description="trained in full next to the adapters (e.g. "
+                                                            "embed_tokens); ties kept")
+    seed: int = Field(0, description="RNG seed of the trainer")
 
     @field_validator("advantage")
     @classmethod

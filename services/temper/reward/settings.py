@@ -23,6 +23,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from temper.runtime.config import address_of
+
 MODEL_COMPONENTS = ("rm", "prm", "length_penalty", "safety")
 
 
@@ -109,17 +111,20 @@ class ModelOptions(_Strict):
 
 
 class RewardSettings(_Strict):
-    domains: dict[str, DomainSpec] = Field(default_factory=default_domains)
-    max_completion_chars: int = Field(default=1 << 20, ge=1)  # per trajectory; longer: INVALID_ARGUMENT
-    max_group_size: int = Field(default=1024, ge=1)
-    math: MathOptions = Field(default_factory=MathOptions)
-    code: CodeOptions = Field(default_factory=CodeOptions)
-    safety: SafetyOptions = Field(default_factory=SafetyOptions)
-    rm: ModelOptions = Field(default_factory=ModelOptions)
-    prm: ModelOptions = Field(default_factory=ModelOptions)
-    prm_step_delimiter: str = "\n\n"  # the completion's reasoning steps are split at this string
-    prm_max_steps: int = Field(default=64, ge=1)  # more steps: an ERROR prm component
-    sandbox_address: str = ""  # host:port of the sandbox service ("" = code domains cannot be scored)
+    domains: dict[str, DomainSpec] = Field(default_factory=default_domains,
+                                           description="[reward.domains.NAME]: the composite reward of NAME and "
+                                                       "NAME.* (a name replaces the default of that name)")
+    max_completion_chars: int = Field(default=1 << 20, ge=1, description="per trajectory; longer: INVALID_ARGUMENT")
+    max_group_size: int = Field(default=1024, ge=1, description="most trajectories in one group")
+    math: MathOptions = Field(default_factory=MathOptions, description="the math verifier")
+    code: CodeOptions = Field(default_factory=CodeOptions, description="the code verifiers (through the sandbox)")
+    safety: SafetyOptions = Field(default_factory=SafetyOptions, description="the safety component")
+    rm: ModelOptions = Field(default_factory=ModelOptions, description="the outcome reward model")
+    prm: ModelOptions = Field(default_factory=ModelOptions, description="the process reward model")
+    prm_step_delimiter: str = Field("\n\n", description="the completion's reasoning steps are split at this string")
+    prm_max_steps: int = Field(default=64, ge=1, description="more steps: an ERROR prm component")
+    sandbox_address: str = address_of("sandbox", "", 'host:port of the sandbox service ("" = code domains cannot '
+                                                     "be scored)")
 
     @field_validator("domains", mode="before")
     @classmethod

@@ -2,7 +2,16 @@
 
 Sources, highest priority first: command-line flags (``--kafka-bootstrap 127.0.0.1:9092``),
 environment variables (``TEMPER_<SERVICE>_<FIELD>``), the ``[<service>]`` table of a TOML file
-given with ``--config FILE``, then the defaults declared on the class.
+given with ``--config FILE``, then the defaults declared on the class. ``--help`` lists every
+field with its description and default.
+
+Wiring metadata: a field can say what the local launcher (``temper.runtime.launcher``) fills
+in, so the launcher hard-codes nothing per service:
+
+* ``address_of("inference")``: the address of that service (a ``list[str]`` field gets a list);
+* ``model_dir()``: the service loads the job's model; the launcher resolves the ``[model]``
+  table to a folder (only for services that declare this);
+* ``from_job("prompts_per_step")``: the value of that key of the job's ``[job]`` table.
 """
 
 from __future__ import annotations
@@ -12,9 +21,11 @@ import tomllib
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, CliSettingsSource, InitSettingsSource, SettingsConfigDict
 
 T = TypeVar("T", bound="ServiceConfig")
+WIRING = "temper_wiring"  # the json_schema_extra key of the launcher's metadata
 
 
 class ServiceConfig(BaseSettings):
@@ -24,21 +35,48 @@ class ServiceConfig(BaseSettings):
     section: ClassVar[str] = "service"
     _toml_values: ClassVar[dict[str, Any]] = {}
 
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: the OS picks a free port (the launcher passes explicit ones)
-    metrics_port: int = 0  # Prometheus endpoint; 0: the OS picks one, -1: disabled
-    kafka_bootstrap: str = "127.0.0.1:9092"
-    trace_file: str = ""  # append finished spans as JSON lines here ("" = no file export)
-    otlp_endpoint: str = ""  # OTLP/gRPC collector address ("" = no OTLP export)
-    log_level: str = "INFO"
-    data_dir: str = ".temper/data"
-    grace_seconds: float = 5.0  # SIGTERM: how long in-flight calls may take to finish
-    max_workers: int = 16  # gRPC handler threads
+    host: str = Field("127.0.0.1", description="interface the gRPC and metrics servers bind")
+    port: int = Field(0, description="gRPC port; 0: the OS picks a free one (reported in the log and --port-file)")
+    metrics_port: int = Field(0, description="Prometheus /metrics port; 0: the OS picks one, -1: disabled")
+    port_file: str = Field("", description='once bound, write {"address", "metrics_port", "pid"} here as JSON '
+                                           '(atomically; "" = log only)')
+    kafka_bootstrap: str = Field("127.0.0.1:9092", description="Kafka bootstrap servers (host:port[,host:port])")
+    trace_file: str = Field("", description='append finished spans as JSON lines here ("" = no file export)')
+    otlp_endpoint: str = Field("", description='OTLP/gRPC collector address ("" = no OTLP export)')
+    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
+    data_dir: str = Field(".temper/data", description="where the service keeps its files")
+    grace_seconds: float = Field(5.0, description="on SIGTERM, how long in-flight calls may take to finish")
+    max_workers: int = Field(16, description="gRPC handler threads")
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
                                    file_secret_settings):
         return (init_settings, env_settings, InitSettingsSource(settings_cls, dict(cls._toml_values)))
+
+
+def address_of(service: str, default, description: str):
+    """A field holding the gRPC address(es) of ``service``; the launcher passes the address it got."""
+    return Field(default, description=description, json_schema_extra={WIRING: {"address_of": service}})
+
+
+def model_dir(default: str, description: str):
+    """The folder of the model this service loads; the launcher resolves the job's ``[model]`` table into it."""
+    return Field(default, description=description, json_schema_extra={WIRING: {"model": True}})
+
+
+def from_job(key: str, default, description: str):
+    """A field the launcher sets from ``[job].<key>`` of the job config, when the job sets it."""
+    return Field(default, description=description, json_schema_extra={WIRING: {"from_job": key}})
+
+
+def wiring(cls: type[ServiceConfig]) -> dict[str, dict]:
+    """``{field name: its wiring metadata}`` of the fields of ``cls`` that declare some."""
+    out = {}
+    for name, info in cls.model_fields.items():
+        extra = info.json_schema_extra
+        if isinstance(extra, dict) and WIRING in extra:
+            out[name] = dict(extra[WIRING])
+    return out
 
 
 def load_config(cls: type[T], argv: list[str] | None = None) -> T:

@@ -1,12 +1,35 @@
 """Local launcher: the broker and every service as separate processes on loopback.
 
-``up`` starts them, waits until each answers its health check and records pids and
-addresses in ``<home>/state.json``; ``status`` reads them back; ``down`` stops exactly the
+``up`` starts them, waits until each answers its health check and records pids, addresses and
+metrics ports in ``<home>/state.json``; ``status`` reads them back; ``down`` stops exactly the
 recorded pids (SIGTERM, then SIGKILL after a grace period) — never anything by name.
+
+Wiring comes from the services' config classes (``temper.<svc>.config``), never from code here:
+a field made with ``address_of(S)`` gets the address service S reported, ``model_dir()`` the
+job's ``[model]`` resolved to a folder (built only when some service to start declares it, so
+``temper up replay`` builds no model), ``from_job(K)`` the value of ``[job].K`` (the learner's
+``groups_per_step`` is ``[job].prompts_per_step``). Every service is started with ``--port 0
+--metrics-port 0 --port-file F``: it binds, and writes the ports it got to F (before it loads
+anything slow). Services start in dependency waves: a service starts once every service whose
+address it needs (and that is being started) has reported its address; then the launcher waits
+for every one to be SERVING. A service that needs an address of a service not being started
+keeps its config's value.
+
+Restart (``temper restart``, ``start_service``): the service is started again on the port it
+had (and the same metrics port), passed explicitly. The port was the service's own and is free
+once the process is gone, and the dependents keep the address they were given, so nothing else
+has to be restarted or told. If another process took the port in the meantime, the service
+exits with "cannot bind" and the restart fails with its log: a loud failure, never a silent
+re-wiring.
+
+The broker (Tansu) cannot bind port 0 and report it, so its port is picked free just before it
+starts; if another process takes it first, Tansu's "address in use" error is recognised in its
+log and a new port is picked (``broker.start_broker_on_free_port``).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -19,10 +42,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from temper import jobs
-from temper.runtime.broker import free_port, start_broker
+from temper.runtime.broker import start_broker_on_free_port
+from temper.runtime.config import ServiceConfig, wiring
 from temper.runtime.rpc import check_health
+from temper.runtime.service import read_port_file
 
-# start order: dependencies first
+# every service, in the order `down` reverses (dependencies first); the start order is derived from the configs
 SERVICES = ("inference", "sandbox", "reward", "replay", "monitor", "learner", "scheduler")
 
 
@@ -34,6 +59,7 @@ class Proc:
     log: str
     metrics_port: int = -1
     args: list[str] = field(default_factory=list)
+    port_file: str = ""
 
 
 @dataclass
@@ -60,6 +86,32 @@ def pid_alive(pid: int) -> bool:
         return done == 0
     except ChildProcessError:
         return True
+
+
+def config_class(service: str) -> type[ServiceConfig]:
+    """The config class of ``service``: the ServiceConfig subclass of ``temper.<service>.config`` for its section."""
+    module = importlib.import_module(f"temper.{service}.config")
+    found = {v for v in vars(module).values()
+             if isinstance(v, type) and issubclass(v, ServiceConfig) and v.section == service}
+    if len(found) != 1:
+        raise RuntimeError(f"temper.{service}.config must define exactly one ServiceConfig with section "
+                           f"{service!r}, found {sorted(c.__name__ for c in found)}")
+    return found.pop()
+
+
+def dependencies(service: str) -> set[str]:
+    """The services whose addresses ``service``'s config declares it needs."""
+    return {w["address_of"] for w in wiring(config_class(service)).values() if "address_of" in w}
+
+
+def _set_flag(args: list[str], flag: str, value: str) -> list[str]:
+    """``args`` with ``flag``'s value replaced (or appended)."""
+    args = list(args)
+    if flag in args:
+        args[args.index(flag) + 1] = value
+    else:
+        args += [flag, value]
+    return args
 
 
 class Launcher:
@@ -93,32 +145,45 @@ class Launcher:
         unknown = [n for n in names if n not in SERVICES]
         if unknown:
             raise ValueError(f"unknown service(s) {unknown}; known: {list(SERVICES)}")
+        names = [n for n in SERVICES if n in names]
         state = self.load()
         if state and any(pid_alive(p.pid) for p in [*state.services.values(), *([state.broker] if state.broker else [])]):
             raise RuntimeError(f"Temper is already up in {self.home} (run `temper down` first)")
         cfg = self.config()
+        wired = {n: wiring(config_class(n)) for n in names}
+        # the model is resolved (the tiny recipe built) before anything starts, and only if a service loads it
+        needs_model = any(w.get("model") for fields in wired.values() for w in fields.values())
+        model_dir = self._model_dir(cfg) if needs_model else None
         logs = self.home / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         state = State(home=str(self.home), config=str(self.config_path))
+        deadline = time.monotonic() + timeout
         try:
-            port = free_port()
-            proc = start_broker(port, logs / "broker.log")
+            proc, port = start_broker_on_free_port(logs / "broker.log")
             state.broker = Proc("broker", proc.pid, f"127.0.0.1:{port}", str(logs / "broker.log"))
             self._save(state)
             from temper.runtime.kafka import ensure_topics
             ensure_topics(state.kafka_bootstrap)
-            model_dir = self._model_dir(cfg)
-            addresses = {n: f"127.0.0.1:{free_port()}" for n in SERVICES}
-            for name in [n for n in SERVICES if n in names]:
-                state.services[name] = self._spawn(name, addresses, state, cfg, model_dir, logs)
+            pending = list(names)
+            while pending:
+                # a wave: every service whose needed addresses (of services being started) are known
+                wave = [n for n in pending if all(d in state.services or d not in names for d in dependencies(n))]
+                if not wave:
+                    raise RuntimeError(f"circular address_of dependencies among {pending}")
+                for name in wave:
+                    state.services[name] = self._start(self._proc(name, wired[name], state, cfg, model_dir, logs))
+                    self._save(state)
+                self._wait_all(wave, state, deadline, self._wait_reported)
                 self._save(state)
-            self._wait_healthy(state, timeout)
+                pending = [n for n in pending if n not in wave]
+            self._wait_all(names, state, deadline, self._wait_serving)
         except BaseException:
             self.down()
             raise
         return state
 
     def _model_dir(self, cfg: dict) -> Path:
+        """The one folder every service that declares ``model_dir()`` loads: the job's [model] table resolved."""
         from temper.models.tiny import ensure_tiny_model
 
         model = dict(cfg.get("model", {}))
@@ -127,26 +192,29 @@ class Launcher:
             model_dir = Path.cwd() / model_dir
         return ensure_tiny_model(model_dir, **model)
 
-    def _spawn(self, name: str, addresses: dict[str, str], state: State, cfg: dict, model_dir: Path,
-               logs: Path) -> Proc:
-        host, port = addresses[name].rsplit(":", 1)
-        metrics_port = free_port()
-        args = [sys.executable, "-m", f"temper.{name}", "--config", str(self.config_path), "--host", host,
-                "--port", port, "--metrics-port", str(metrics_port), "--kafka-bootstrap", state.kafka_bootstrap,
-                "--data-dir", str(self.home / "data" / name), "--trace-file", str(logs / f"{name}.spans.jsonl")]
-        if name in ("inference", "learner"):
-            args += ["--model-dir", str(model_dir)]
-        if name == "learner":
-            args += ["--replay-address", addresses["replay"], "--inference-addresses", addresses["inference"],
-                     "--groups-per-step", str(cfg.get("job", {}).get("prompts_per_step", 16))]
-        if name == "scheduler":
-            args += ["--inference-address", addresses["inference"]]
-        if name == "reward":
-            args += ["--sandbox-address", addresses["sandbox"]]
-        return self._start(Proc(name, 0, addresses[name], str(logs / f"{name}.log"), metrics_port, args))
+    def _proc(self, name: str, wired: dict[str, dict], state: State, cfg: dict, model_dir: Path | None,
+              logs: Path) -> Proc:
+        """The command line of ``name``: the flags every service shares, then what its config's wiring asks for."""
+        port_file = self.home / "ports" / f"{name}.json"
+        args = [sys.executable, "-m", f"temper.{name}", "--config", str(self.config_path), "--host", "127.0.0.1",
+                "--port", "0", "--metrics-port", "0", "--port-file", str(port_file),
+                "--kafka-bootstrap", state.kafka_bootstrap, "--data-dir", str(self.home / "data" / name),
+                "--trace-file", str(logs / f"{name}.spans.jsonl")]
+        job = cfg.get("job", {})
+        for field_name, w in wired.items():
+            flag = "--" + field_name.replace("_", "-")
+            if "address_of" in w and w["address_of"] in state.services:
+                args += [flag, state.services[w["address_of"]].address]
+            elif w.get("model"):
+                args += [flag, str(model_dir)]
+            elif "from_job" in w and w["from_job"] in job:
+                args += [flag, str(job[w["from_job"]])]
+        return Proc(name, 0, "", str(logs / f"{name}.log"), -1, args, str(port_file))
 
     @staticmethod
     def _start(p: Proc) -> Proc:
+        if p.port_file:  # a report left by an earlier process must not be taken for this one's
+            Path(p.port_file).unlink(missing_ok=True)
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
         with open(p.log, "ab") as log:
@@ -169,34 +237,52 @@ class Launcher:
         _terminate([p], grace=15.0)
 
     def start_service(self, name: str, timeout: float = 60.0) -> Proc:
-        """Start a stopped service again with the same address and arguments."""
+        """Start a stopped service again, on the port and metrics port it had (see the module docstring)."""
         state, p = self._service(name)
         if pid_alive(p.pid):
             raise RuntimeError(f"{name} is still running (pid {p.pid})")
+        p.args = _set_flag(_set_flag(p.args, "--port", p.address.rsplit(":", 1)[1]), "--metrics-port",
+                           str(p.metrics_port))
         state.services[name] = self._start(p)
         self._save(state)
-        self._wait_healthy(State(state.home, state.config, state.broker, {name: p}), timeout)
+        deadline = time.monotonic() + timeout
+        self._wait_all([name], state, deadline, self._wait_reported)
+        self._save(state)
+        self._wait_all([name], state, deadline, self._wait_serving)
         return p
 
     def restart(self, name: str, timeout: float = 60.0, kill: bool = False) -> Proc:
         self.stop_service(name, kill=kill)
         return self.start_service(name, timeout)
 
-    def _wait_healthy(self, state: State, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-
-        def wait(p: Proc) -> None:
-            while time.monotonic() < deadline:
-                if not pid_alive(p.pid):
-                    raise RuntimeError(f"{p.name} exited during start-up; its log ({p.log}) ends:\n{_tail(p.log)}")
-                if check_health(p.address, timeout=0.5) == "SERVING":
-                    return
-                time.sleep(0.1)
-            raise TimeoutError(f"{p.name} not healthy after {timeout:.0f}s; its log ({p.log}) ends:\n{_tail(p.log)}")
-
-        with ThreadPoolExecutor(len(state.services) or 1) as pool:
-            for f in [pool.submit(wait, p) for p in state.services.values()]:
+    @staticmethod
+    def _wait_all(names: list[str], state: State, deadline: float, wait) -> None:
+        with ThreadPoolExecutor(len(names) or 1) as pool:
+            for f in [pool.submit(wait, state.services[n], deadline) for n in names]:
                 f.result()
+
+    @staticmethod
+    def _wait_reported(p: Proc, deadline: float) -> None:
+        """Until ``p`` wrote its port file; then its address and metrics port are ``p``'s."""
+        while time.monotonic() < deadline:
+            report = read_port_file(p.port_file)
+            if report is not None and report.get("pid") == p.pid:
+                p.address, p.metrics_port = report["address"], report["metrics_port"]
+                return
+            if not pid_alive(p.pid):
+                raise RuntimeError(f"{p.name} exited during start-up; its log ({p.log}) ends:\n{_tail(p.log)}")
+            time.sleep(0.05)
+        raise TimeoutError(f"{p.name} reported no port in time; its log ({p.log}) ends:\n{_tail(p.log)}")
+
+    @staticmethod
+    def _wait_serving(p: Proc, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if not pid_alive(p.pid):
+                raise RuntimeError(f"{p.name} exited during start-up; its log ({p.log}) ends:\n{_tail(p.log)}")
+            if check_health(p.address, timeout=0.5) == "SERVING":
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"{p.name} not healthy in time; its log ({p.log}) ends:\n{_tail(p.log)}")
 
     # -- status / down ---------------------------------------------------------------------
     def status(self) -> list[dict]:

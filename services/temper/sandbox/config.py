@@ -10,7 +10,7 @@ import os
 import tomllib
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from temper.runtime.config import ServiceConfig
 from temper.sandbox.core import Executor, Language, Limits, Policy, load_languages
@@ -46,37 +46,44 @@ class LanguageConfig(BaseModel):
 class SandboxConfig(ServiceConfig):
     section = "sandbox"
 
-    max_concurrency: int = 0  # executions at once; 0 = the number of CPU cores
-    max_queue: int = 8  # executions waiting for a slot; beyond: RESOURCE_EXHAUSTED
-    pool_size: int = -1  # sandboxes booted ahead; -1 = max_concurrency
-    default_limits: LimitsConfig = LimitsConfig(wall_seconds=10, cpu_seconds=10, memory_mb=512, max_processes=64,
-                                                max_output_bytes=1 << 20)
+    max_concurrency: int = Field(0, description="executions at once; 0 = the number of CPU cores")
+    max_queue: int = Field(8, description="executions waiting for a slot; beyond: RESOURCE_EXHAUSTED")
+    pool_size: int = Field(-1, description="sandboxes booted ahead; -1 = max_concurrency")
+    default_limits: LimitsConfig = Field(
+        LimitsConfig(wall_seconds=10, cpu_seconds=10, memory_mb=512, max_processes=64, max_output_bytes=1 << 20),
+        description="limits of a request that sets none (a table naming some keeps the others)")
     # stdout and stderr of one run, at their maximum, must fit one gRPC message (64 MiB)
-    max_limits: LimitsConfig = LimitsConfig(wall_seconds=60, cpu_seconds=60, memory_mb=4096, max_processes=512,
-                                            max_output_bytes=16 << 20)
-    compile_limits: LimitsConfig = LimitsConfig(wall_seconds=60, cpu_seconds=60, memory_mb=2048, max_processes=64,
-                                                max_output_bytes=1 << 20)
-    max_source_bytes: int = 1 << 20
-    max_stdin_bytes: int = 16 << 20
-    max_files: int = 64
-    max_tests: int = 1000
-    max_script_bytes: int = 1 << 20
-    languages: dict[str, LanguageConfig] = {}  # added to (or replacing) the presets of languages.toml
-    warm_language: str = "python3"  # pooled sandboxes hold this language's harness started ahead ("" = none)
+    max_limits: LimitsConfig = Field(
+        LimitsConfig(wall_seconds=60, cpu_seconds=60, memory_mb=4096, max_processes=512, max_output_bytes=16 << 20),
+        description="the most a request may ask for; beyond: INVALID_ARGUMENT naming the limit")
+    compile_limits: LimitsConfig = Field(
+        LimitsConfig(wall_seconds=60, cpu_seconds=60, memory_mb=2048, max_processes=64, max_output_bytes=1 << 20),
+        description="limits of the compile step of compiled languages")
+    max_source_bytes: int = Field(1 << 20, description="largest source file of a request")
+    max_stdin_bytes: int = Field(16 << 20, description="largest stdin of a run or test")
+    max_files: int = Field(64, description="most files in one request")
+    max_tests: int = Field(1000, description="most test cases in one RunTests request")
+    max_script_bytes: int = Field(1 << 20, description="largest assertion script of a test")
+    languages: dict[str, LanguageConfig] = Field({}, description="added to (or replacing) the presets of "
+                                                                 "languages.toml")
+    warm_language: str = Field("python3", description="pooled sandboxes hold this language's harness started ahead "
+                                                      '("" = none)')
 
-    runsc: str = "runsc"
-    runsc_platform: str = "ptrace"  # kvm hangs here (nested virtualisation); systrap is newer than Debian's runsc
-    runsc_flags: list[str] = []
-    python: str = ""  # the sandbox's Python for the agent ("" = /usr/bin/python3 or /usr/local/bin/python3)
-    binds: list[str] = ["/usr"]  # host directories visible read-only inside every sandbox
-    workdir_mb: int = 256
-    sandbox_cpus: float = 1.0  # CPU quota of one sandbox, in cores
-    memory_slack_mb: int = 32
-    boot_timeout_seconds: float = 30.0
-    sandbox_uid: int = 65534
+    runsc: str = Field("runsc", description="the gVisor runsc binary (name on PATH or path)")
+    runsc_platform: str = Field("ptrace", description="kvm hangs here (nested virtualisation); systrap is newer than "
+                                                      "Debian's runsc")
+    runsc_flags: list[str] = Field([], description="extra runsc flags, passed as they are")
+    python: str = Field("", description='the sandbox\'s Python for the agent ("" = /usr/bin/python3 or '
+                                        "/usr/local/bin/python3)")
+    binds: list[str] = Field(["/usr"], description="host directories visible read-only inside every sandbox")
+    workdir_mb: int = Field(256, description="size of each of the /work and /tmp tmpfs of a sandbox")
+    sandbox_cpus: float = Field(1.0, description="CPU quota of one sandbox, in cores")
+    memory_slack_mb: int = Field(32, description="headroom over a run's memory limit for the sandbox's own growth")
+    boot_timeout_seconds: float = Field(30.0, description="how long a sandbox may take to boot")
+    sandbox_uid: int = Field(65534, description="the uid code runs as inside the sandbox")
 
-    publish_traces: bool = True  # ExecutionTrace per call on the sandbox-traces topic
-    trace_max_bytes: int = 16 << 10  # byte fields of a trace are truncated to this
+    publish_traces: bool = Field(True, description="ExecutionTrace per call on the sandbox-traces topic")
+    trace_max_bytes: int = Field(16 << 10, description="byte fields of a trace are truncated to this")
 
     @field_validator("default_limits", "max_limits", "compile_limits", mode="before")
     @classmethod

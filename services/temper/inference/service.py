@@ -1,0 +1,38 @@
+"""The inference service: an engine (vLLM or HF) behind InferenceService."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+from temper.inference.config import InferenceConfig
+from temper.runtime.service import Service
+
+
+def engine_from_config(config: InferenceConfig):
+    from temper.inference.engine import build_engine
+
+    if config.engine == "hf":
+        return build_engine("hf", config.model_dir, dtype=config.dtype, device=config.device,
+                            max_batch_rows=config.max_batch_rows, seed=config.seed)
+    return build_engine(config.engine, config.model_dir, dtype=config.dtype, seed=config.seed,
+                        max_model_len=config.max_model_len, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+                        max_num_seqs=config.max_num_seqs, engine_args=config.vllm_args)
+
+
+class InferenceService(Service[InferenceConfig]):
+    name = "inference"
+    config_class = InferenceConfig
+
+    def open(self, stack: ExitStack) -> None:
+        # torch and the engines are imported here, not at the top: `--help` and the launcher stay fast
+        from temper.inference.servicer import InferenceServicer
+
+        engine = engine_from_config(self.config)  # the slow part (model load); the port is already bound
+        stack.callback(engine.close)
+        self.servicer = InferenceServicer(engine, self.config.max_chunk_bytes, model_name=self.config.model_dir)
+
+    def register(self, server) -> list[str]:
+        from temper.v1 import inference_pb2, inference_pb2_grpc
+
+        inference_pb2_grpc.add_InferenceServiceServicer_to_server(self.servicer, server)
+        return [inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name]

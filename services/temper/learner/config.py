@@ -1,0 +1,30 @@
+"""Configuration of the learner service (the ``[learner]`` table): the service's own settings plus
+every field of ``TrainerConfig`` (algorithms, clipping, KL, LR schedule, micro-batching, packing,
+off-policy correction, LoRA); unknown algorithm names are refused at start-up with the field named."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from temper.learner.trainer import TrainerConfig
+from temper.runtime.config import ServiceConfig, address_of, from_job, model_dir
+
+
+class LearnerConfig(ServiceConfig, TrainerConfig):
+    section = "learner"
+
+    model_dir: str = model_dir(".temper/models/tiny", "folder of the HF causal LM to train (the launcher: the job's "
+                                                      "[model])")
+    replay_address: str = address_of("replay", "127.0.0.1:50054", "host:port of the replay service")
+    inference_addresses: list[str] = address_of("inference", ["127.0.0.1:50051"],
+                                                "inference replicas that get the weights after each step")
+    groups_per_step: int = from_job("prompts_per_step", 16, "GRPO groups per update (the launcher: "
+                                                            "[job].prompts_per_step)")
+    table: str = Field("default", description="the replay table the learner samples")
+    checkpoint_dir: str = Field("", description='"": <data_dir>/checkpoints')
+    checkpoint_every: int = Field(0, description="steps between checkpoints; 0: only on request (gRPC Checkpoint)")
+    keep_checkpoints: int = Field(3, description="newest checkpoints kept")
+    resume: bool = Field(True, description="restore the newest checkpoint of checkpoint_dir at start-up")
+
+    def trainer_config(self) -> TrainerConfig:
+        return TrainerConfig(**self.model_dump(include=set(TrainerConfig.model_fields)))

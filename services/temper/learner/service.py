@@ -1,0 +1,43 @@
+"""The learner service: pulls from replay, trains, pushes weights to inference, checkpoints."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from pathlib import Path
+
+from temper.client.sdk import InferenceClient, ReplayClient
+from temper.learner.config import LearnerConfig
+from temper.learner.loop import LearnerLoop
+from temper.learner.servicer import LearnerServicer
+from temper.learner.trainer import Trainer
+from temper.runtime import kafka
+from temper.runtime.rpc import client
+from temper.runtime.service import Service
+from temper.v1 import learner_pb2, learner_pb2_grpc
+
+
+class LearnerService(Service[LearnerConfig]):
+    name = "learner"
+    config_class = LearnerConfig
+
+    def open(self, stack: ExitStack) -> None:
+        config = self.config
+        trainer = Trainer(config.model_dir, config.trainer_config())  # the slow part; the port is already bound
+        # channels to dependencies that may still be loading: calls wait for their servers (see runtime.service)
+        replay = stack.enter_context(client(ReplayClient, config.replay_address))
+        replicas = [stack.enter_context(client(InferenceClient, a)) for a in config.inference_addresses]
+        self.loop = LearnerLoop(trainer, replay, replicas, None, config.groups_per_step, config.table,
+                                checkpoint_dir=config.checkpoint_dir or Path(config.data_dir) / "checkpoints",
+                                checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints)
+        kafka.ensure_topics(config.kafka_bootstrap)
+        self.loop.producer = kafka.ProtoProducer(config.kafka_bootstrap, client_id="temper-learner")
+        stack.callback(self.loop.producer.close)
+        if config.resume:
+            self.loop.resume_from_checkpoint()
+        self.loop.start()
+        stack.callback(self.loop.stop)
+
+    def register(self, server) -> list[str]:
+        learner_pb2_grpc.add_LearnerServiceServicer_to_server(
+            LearnerServicer(self.loop, f"{self.config.advantage}+{self.config.policy_loss}"), server)
+        return [learner_pb2.DESCRIPTOR.services_by_name["LearnerService"].full_name]

@@ -1,0 +1,51 @@
+"""The replay service: `scored` -> durable tables; gRPC Insert/Sample/UpdatePriorities/
+Stats/Checkpoint/Restore.
+
+Tables are configured under ``[replay.tables.NAME]`` (see ``tables.TableConfig``); groups from
+the `scored` topic go into every table named in ``ingest_tables``. The consumer commits a
+message's offset only after ``ReplayStore.insert`` returned, i.e. after the group is durable;
+while a table's rate limiter holds inserts back, the consumer waits (``ingest_block_ms`` per
+try, then the message is retried), so Kafka keeps the backlog.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from pathlib import Path
+
+from temper.replay import servicer as replay_servicer
+from temper.replay.config import ReplayConfig
+from temper.replay.store import ReplayStore
+from temper.runtime import kafka
+from temper.runtime.service import Service
+from temper.v1 import common_pb2
+
+
+class ReplayService(Service[ReplayConfig]):
+    name = "replay"
+    config_class = ReplayConfig
+
+    def open(self, stack: ExitStack) -> None:
+        config = self.config
+        self.store = ReplayStore(Path(config.data_dir) / "replay.sqlite", config.tables, config.checkpoint_dir or None,
+                                 fsync=config.fsync)
+        stack.callback(self.store.close)
+        self.consumer = None
+        if config.ingest_tables:
+            kafka.ensure_topics(config.kafka_bootstrap)
+            self.consumer = kafka.ProtoConsumer(config.kafka_bootstrap, kafka.SCORED, config.consumer_group,
+                                                common_pb2.RolloutGroup, self._ingest).start()
+            stack.callback(self.consumer.stop)
+
+    def _ingest(self, group: common_pb2.RolloutGroup) -> None:
+        pending = self.store.prepare([group])
+        for table in self.config.ingest_tables:
+            self.store.insert(table, pending, timeout=self.config.ingest_block_ms / 1000)
+
+    def register(self, server) -> list[str]:
+        c = self.config
+        return [replay_servicer.register(replay_servicer.ReplayServicer(
+            self.store, c.max_batch, c.max_timeout_ms, c.insert_timeout_ms), server)]
+
+    def checks(self):
+        return [lambda: self.consumer is None or self.consumer.alive]
