@@ -60,3 +60,25 @@ def test_unknown_service_is_refused(tmp_path):
     r = _temper(tmp_path, "up", "nope", check=False)
     assert r.returncode != 0 and "nope" in r.stderr
     assert not (tmp_path / "state.json").exists()
+
+
+def test_up_replay_builds_no_model_records_reported_ports_and_restart_keeps_them(tmp_path):
+    from temper.runtime.launcher import Launcher
+    from temper.runtime.rpc import check_health
+
+    config = tmp_path / "temper.toml"
+    config.write_text(f'[model]\ndir = "{tmp_path / "model"}"\n\n[replay]\n')
+    launcher = Launcher(home=tmp_path / "home", config=config)
+    try:
+        state = launcher.up(["replay"])
+        assert not (tmp_path / "model").exists()  # replay declares no model_dir: none is resolved or built
+        replay = state.services["replay"]
+        saved = json.loads((tmp_path / "home" / "state.json").read_text())["services"]["replay"]
+        assert saved["address"] == replay.address and saved["metrics_port"] == replay.metrics_port > 0
+        assert replay.address.startswith("127.0.0.1:") and "--port" in replay.args
+        assert replay.args[replay.args.index("--port") + 1] == "0"  # bound by the service, reported in its port file
+        restarted = launcher.restart("replay", kill=True)
+        assert restarted.pid != replay.pid and restarted.address == replay.address
+        assert restarted.metrics_port == replay.metrics_port and check_health(restarted.address) == "SERVING"
+    finally:
+        launcher.down()

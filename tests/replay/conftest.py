@@ -10,5 +10,5 @@ import pytest
 
 @pytest.fixture(scope="session")
 def replay_model_dir(tmp_path_factory) -> Path:
-    """One tiny-model folder for every replay launcher (the launcher builds it once; replay never loads it)."""
+    """The [model] dir of the replay launchers' configs: replay declares no model_dir, so nothing is built there."""
     return tmp_path_factory.mktemp("replay-model") / "tiny"

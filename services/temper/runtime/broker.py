@@ -50,8 +50,9 @@ class PortInUse(RuntimeError):
     """The broker could not bind its port: another process took it after it was picked."""
 
 
-# how Tansu (Rust, std::io) reports EADDRINUSE when it cannot bind its listener
-_ADDRESS_IN_USE = ("Address already in use", "AddrInUse")
+# how Tansu 0.6 reports EADDRINUSE when it cannot bind its listener (it then panics and exits):
+#   ERROR tansu_broker::broker: 138: err=Io(Os { code: 98, kind: AddrInUse, message: "Address in use" })
+_ADDRESS_IN_USE = ("kind: AddrInUse",)
 
 
 def _listening_inodes(port: int) -> set[str]:
