@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+from temper.client.sdk import MonitorClient
 from temper.runtime.rpc import check_health
 from temper.runtime.service import read_port_file
 from tests.conftest import wait_until
@@ -72,7 +73,11 @@ def test_bind_report_open_serve_then_drain_and_close_in_reverse(tmp_path):
         address = report["address"]
         assert address.startswith("127.0.0.1:") and not address.endswith(":0")
         assert check_health(address, timeout=0.5) == "UNREACHABLE"  # bound, not serving while resources open
+        dependent = MonitorClient(address)  # any SDK client: a dependent that starts while this one loads
+        assert not dependent.wait_ready(0.5)
         (tmp_path / "events.jsonl.release").touch()
+        assert dependent.wait_ready(30)
+        dependent.close()
         wait_until(lambda: check_health(address) == "SERVING", 30, what="SERVING once every resource is open")
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)

@@ -45,6 +45,18 @@ class _Client:
     def close(self) -> None:
         self._channel.close()
 
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait until the channel is connected (the server started), at most ``timeout`` seconds.
+
+        A call to a server that has bound its port but not started yet (it is loading) waits only
+        for gRPC's connect timeout (20 s) and then fails UNAVAILABLE; this waits through reconnects.
+        """
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+            return True
+        except grpc.FutureTimeoutError:
+            return False
+
     def __enter__(self):
         return self
 

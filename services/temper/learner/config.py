@@ -25,6 +25,8 @@ class LearnerConfig(ServiceConfig, TrainerConfig):
     checkpoint_every: int = Field(0, description="steps between checkpoints; 0: only on request (gRPC Checkpoint)")
     keep_checkpoints: int = Field(3, description="newest checkpoints kept")
     resume: bool = Field(True, description="restore the newest checkpoint of checkpoint_dir at start-up")
+    dependency_wait_seconds: float = Field(120.0, description="at start-up, how long to wait for inference replicas "
+                                                              "that are still starting before resuming")
 
     def trainer_config(self) -> TrainerConfig:
         return TrainerConfig(**self.model_dump(include=set(TrainerConfig.model_fields)))

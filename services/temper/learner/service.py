@@ -33,6 +33,10 @@ class LearnerService(Service[LearnerConfig]):
         self.loop.producer = kafka.ProtoProducer(config.kafka_bootstrap, client_id="temper-learner")
         stack.callback(self.loop.producer.close)
         if config.resume:
+            # resuming asks every replica its version: wait for replicas that are still loading (bounded;
+            # one that stays down gets the weights with the next step's push, as before)
+            for replica in replicas:
+                replica.wait_ready(config.dependency_wait_seconds)
             self.loop.resume_from_checkpoint()
         self.loop.start()
         stack.callback(self.loop.stop)

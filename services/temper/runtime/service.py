@@ -10,8 +10,10 @@ checks of its background work (``checks``). The runtime does the rest, in this o
 3. bind the gRPC port (``--port``, 0: the OS picks one) and report both ports: a log line and,
    with ``--port-file PATH``, ``{"address": "HOST:PORT", "metrics_port": N, "pid": P}`` written
    atomically. The port is bound *before* ``open`` (which may load a model for a minute): the
-   socket already listens, so a dependent started meanwhile connects and its calls wait (up to
-   their deadline) until the server starts, instead of failing on a refused connection;
+   socket already listens, so a dependent started meanwhile connects instead of being refused;
+   its calls wait until the server starts, up to gRPC's connect timeout (20 s) or their
+   deadline. A dependent that must call a dependency while starting waits for the channel
+   first (``temper.client.sdk`` clients' ``wait_ready``, as the learner does before resuming);
 4. ``open`` (resources, in order), ``register``, server start, health SERVING;
 5. on SIGTERM/SIGINT: health NOT_SERVING, the server stops accepting calls and lets in-flight
    ones finish for ``grace_seconds``, then the ExitStack closes the resources in reverse order.
