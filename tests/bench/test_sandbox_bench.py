@@ -141,7 +141,7 @@ def test_sandbox_bench(service):
 
     def trivial():
         r = client.execute(TRIVIAL, wall_seconds=10)
-        assert r.verdict == sandbox_pb2.OK and r.stdout == b"hello\n", r
+        assert r.verdict == sandbox_pb2.VERDICT_OK and r.stdout == b"hello\n", r
 
     def realistic():
         r = client.run_tests(SOLUTION, [ASSERTIONS], wall_seconds=10)

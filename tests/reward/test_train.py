@@ -97,7 +97,7 @@ def scored_group(i: int) -> common_pb2.RolloutGroup:
 def run_tests_trace(source: str, passed: int, tests: int) -> sandbox_pb2.ExecutionTrace:
     return sandbox_pb2.ExecutionTrace(
         execution_id=f"e{passed}", method="RunTests",
-        verdict=sandbox_pb2.OK if passed == tests else sandbox_pb2.WRONG_ANSWER,
+        verdict=sandbox_pb2.VERDICT_OK if passed == tests else sandbox_pb2.VERDICT_WRONG_ANSWER,
         run_tests_request=sandbox_pb2.RunTestsRequest(
             program=sandbox_pb2.ExecuteRequest(language="python3", files=[sandbox_pb2.SourceFile(content=source.encode())]),
             tests=[sandbox_pb2.TestCase(stdin=b"1\n", expected_stdout=b"1\n")] * tests),

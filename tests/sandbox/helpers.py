@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from temper.client.sdk import SandboxClient
+from temper.client.sdk import SandboxClient, verdict_name
 from temper.runtime.launcher import pid_alive
 from temper.sandbox.runsc import CGROUP_ROOT, _own_cgroup
-from temper.v1 import sandbox_pb2
 from tests.conftest import REPO, ServiceHandle, spawn_service
 
 __all__ = ["REPO", "assert_clean", "cgroup_dirs", "client", "sandbox_pids", "start_sandbox", "verdict"]
@@ -41,7 +40,7 @@ def assert_clean(svc: ServiceHandle) -> None:
 
 
 def verdict(resp) -> str:
-    return sandbox_pb2.Verdict.Name(resp.verdict)
+    return verdict_name(resp.verdict)
 
 
 def host_sandbox_processes() -> set[int]:

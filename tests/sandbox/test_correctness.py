@@ -17,6 +17,7 @@ import pytest
 
 from temper.sandbox.config import SandboxConfig
 from temper.sandbox.core import OutputMatch, outputs_match
+from temper.client.sdk import verdict_name
 from temper.v1 import sandbox_pb2
 from tests.sandbox.helpers import verdict
 
@@ -106,8 +107,8 @@ def bare_verdicts(language: str, source: str, tests: list) -> list[str]:
 def sandbox_verdicts(client, language: str, source: str, tests: list) -> list[str]:
     cases = [t if isinstance(t, str) else {"stdin": t[0], "expected_stdout": t[1]} for t in tests]
     resp = client.run_tests(source, cases, language, wall_seconds=WALL)
-    if resp.compile_verdict != sandbox_pb2.OK:
-        return [sandbox_pb2.Verdict.Name(resp.compile_verdict)]
+    if resp.compile_verdict != sandbox_pb2.VERDICT_OK:
+        return [verdict_name(resp.compile_verdict)]
     return [verdict(r) for r in resp.results]
 
 

@@ -147,10 +147,10 @@ def test_traces_are_published_to_kafka(broker, tmp_path):
     traces = [sandbox_pb2.ExecutionTrace.FromString(r.value) for r in records]
     assert [t.method for t in traces] == ["Execute", "RunTests"]
     first, second = traces
-    assert first.verdict == sandbox_pb2.OK and first.execute_request.files[0].content == b"print('x' * 1000)"
+    assert first.verdict == sandbox_pb2.VERDICT_OK and first.execute_request.files[0].content == b"print('x' * 1000)"
     assert first.execute_response.stdout == b"x" * 100  # truncated to the trace limit
     assert first.total_seconds > 0 and first.started_unix_ms > 0 and first.execution_id
-    assert second.verdict == sandbox_pb2.WRONG_ANSWER and second.run_tests_response.passed == 1
+    assert second.verdict == sandbox_pb2.VERDICT_WRONG_ANSWER and second.run_tests_response.passed == 1
     assert len(second.run_tests_request.tests) == 2
     assert any(k == "traceparent" for k, _ in records[0].headers)
 

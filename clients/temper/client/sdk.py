@@ -32,6 +32,11 @@ from temper.v1 import (
 )
 
 
+def verdict_name(verdict: int) -> str:
+    """A sandbox Verdict's short name: ``VERDICT_WRONG_ANSWER`` -> ``"WRONG_ANSWER"`` (what reports and the CLI show)."""
+    return sandbox_pb2.Verdict.Name(verdict).removeprefix("VERDICT_")
+
+
 class _Client:
     stub_class: type
 
@@ -77,8 +82,8 @@ class InferenceClient(_Client):
         return self.stub.Generate(inference_pb2.GenerateRequest(prompts=msgs, sampling=sampling),
                                   timeout=self.timeout)
 
-    def update_weights(self, chunks: Iterable[inference_pb2.WeightChunk]) -> inference_pb2.UpdateWeightsResponse:
-        """Stream one new policy version as WeightChunk messages (the first carries ``new_version``).
+    def update_weights(self, chunks: Iterable[inference_pb2.UpdateWeightsRequest]) -> inference_pb2.UpdateWeightsResponse:
+        """Stream one new policy version as UpdateWeightsRequest chunks (the first carries ``new_version``).
 
         The server package builds them from tensors: ``temper.inference.weights.chunks_from_tensors``.
         """
@@ -122,7 +127,7 @@ class SandboxClient(_Client):
                                       max_processes=max_processes, max_output_bytes=max_output_bytes))
 
     def execute(self, source: str | bytes | None = None, language: str = "python3", **kw) -> sandbox_pb2.ExecuteResponse:
-        """Run once; ``kw`` as for ``request``. The verdict name: ``sandbox_pb2.Verdict.Name(resp.verdict)``."""
+        """Run once; ``kw`` as for ``request``. The verdict's short name: ``verdict_name(resp.verdict)``."""
         req = self.request(source, language, **kw)
         return self.stub.Execute(req, timeout=self.timeout + req.limits.wall_seconds)
 
@@ -177,18 +182,19 @@ class ReplayClient(_Client):
     def stats(self, table: str = "default") -> replay_pb2.StatsResponse:
         return self.stub.Stats(replay_pb2.StatsRequest(table=table), timeout=self.timeout)
 
-    def checkpoint(self) -> replay_pb2.ReplayCheckpointResponse:
-        return self.stub.Checkpoint(replay_pb2.ReplayCheckpointRequest(), timeout=self.timeout)
+    def checkpoint(self) -> replay_pb2.ReplayServiceCheckpointResponse:
+        return self.stub.Checkpoint(replay_pb2.ReplayServiceCheckpointRequest(), timeout=self.timeout)
 
-    def restore(self, checkpoint_id: str) -> replay_pb2.ReplayRestoreResponse:
-        return self.stub.Restore(replay_pb2.ReplayRestoreRequest(checkpoint_id=checkpoint_id), timeout=self.timeout)
+    def restore(self, checkpoint_id: str) -> replay_pb2.ReplayServiceRestoreResponse:
+        return self.stub.Restore(replay_pb2.ReplayServiceRestoreRequest(checkpoint_id=checkpoint_id),
+                                 timeout=self.timeout)
 
 
 class LearnerClient(_Client):
     stub_class = learner_pb2_grpc.LearnerServiceStub
 
     def status(self) -> learner_pb2.LearnerStatus:
-        return self.stub.Status(learner_pb2.LearnerStatusRequest(), timeout=self.timeout)
+        return self.stub.Status(learner_pb2.StatusRequest(), timeout=self.timeout).status
 
     def checkpoint(self, path: str = "") -> learner_pb2.CheckpointResponse:
         """Checkpoint between steps (``path`` relative to the learner's checkpoint dir; "" = step-<N>)."""
@@ -196,23 +202,23 @@ class LearnerClient(_Client):
 
     def pause(self) -> learner_pb2.LearnerStatus:
         """Stop updates; returns once a step in flight has finished."""
-        return self.stub.Pause(learner_pb2.PauseRequest(), timeout=self.timeout)
+        return self.stub.Pause(learner_pb2.PauseRequest(), timeout=self.timeout).status
 
     def resume(self) -> learner_pb2.LearnerStatus:
-        return self.stub.Resume(learner_pb2.ResumeRequest(), timeout=self.timeout)
+        return self.stub.Resume(learner_pb2.ResumeRequest(), timeout=self.timeout).status
 
 
 class SchedulerClient(_Client):
     stub_class = scheduler_pb2_grpc.SchedulerServiceStub
 
     def start_job(self, spec: scheduler_pb2.JobSpec) -> scheduler_pb2.JobStatus:
-        return self.stub.StartJob(spec, timeout=self.timeout)
+        return self.stub.StartJob(scheduler_pb2.StartJobRequest(spec=spec), timeout=self.timeout).job
 
     def job(self, job_id: str) -> scheduler_pb2.JobStatus:
-        return self.stub.GetJob(scheduler_pb2.GetJobRequest(job_id=job_id), timeout=self.timeout)
+        return self.stub.GetJob(scheduler_pb2.GetJobRequest(job_id=job_id), timeout=self.timeout).job
 
     def stop_job(self, job_id: str) -> scheduler_pb2.JobStatus:
-        return self.stub.StopJob(scheduler_pb2.GetJobRequest(job_id=job_id), timeout=self.timeout)
+        return self.stub.StopJob(scheduler_pb2.StopJobRequest(job_id=job_id), timeout=self.timeout).job
 
 
 class MonitorClient(_Client):
@@ -223,4 +229,4 @@ class MonitorClient(_Client):
 
 
 __all__ = ["InferenceClient", "RewardClient", "SandboxClient", "ReplayClient", "LearnerClient", "SchedulerClient",
-           "MonitorClient", "grpc"]
+           "MonitorClient", "grpc", "verdict_name"]

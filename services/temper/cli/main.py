@@ -160,9 +160,9 @@ def _sandbox_program(args, path: str, stdin: bytes = b""):
 
 
 def _sandbox_result(r) -> dict:
-    from temper.v1 import sandbox_pb2
+    from temper.client.sdk import verdict_name
 
-    return {"status": sandbox_pb2.Verdict.Name(r.verdict), "message": r.message, "exit_code": r.exit_code,
+    return {"status": verdict_name(r.verdict), "message": r.message, "exit_code": r.exit_code,
             "signal": r.signal, "stdout": r.stdout.decode(errors="replace"), "stderr": r.stderr.decode(errors="replace"),
             "output_truncated": r.output_truncated, "wall_seconds": round(r.wall_seconds, 4),
             "cpu_seconds": round(r.cpu_seconds, 4), "peak_memory_bytes": r.peak_memory_bytes}
@@ -194,6 +194,7 @@ def _load_tests(path: Path) -> list:
 
 
 def cmd_sandbox_test(args) -> int:
+    from temper.client.sdk import verdict_name
     from temper.v1 import sandbox_pb2
 
     tests = _load_tests(Path(args.testfile))
@@ -201,7 +202,7 @@ def cmd_sandbox_test(args) -> int:
                                           stop_on_first_failure=args.stop_on_first_failure)
     resp, via = _sandbox_call(args, "RunTests", request)
     results = [_sandbox_result(r) for r in resp.results]
-    compiled = sandbox_pb2.Verdict.Name(resp.compile_verdict)
+    compiled = verdict_name(resp.compile_verdict)
     status = compiled if compiled != "OK" else next((r["status"] for r in results if r["status"] != "OK"), "OK")
     out = {"status": status, "passed": resp.passed, "total": len(tests), "compile_status": compiled,
            "compile_message": resp.compile.stderr.decode(errors="replace") if compiled != "OK" else "",

@@ -17,7 +17,7 @@ class InferenceConfig(ServiceConfig):
     engine: str = Field("vllm", description='"vllm" (real models) or "hf" (tiny models, fallback)')
     dtype: str = Field("auto", description='weights\' dtype in memory; "auto": as stored in the checkpoint')
     seed: int = Field(0, description="sampling RNG of requests without their own seed")
-    max_chunk_bytes: int = Field(4 << 20, description="largest WeightChunk.data accepted")
+    max_chunk_bytes: int = Field(4 << 20, description="largest UpdateWeightsRequest.data (one chunk) accepted")
     # hf engine
     device: str = Field("auto", description='hf engine: "cpu", "cuda", "cuda:1", or "auto" (cuda when available)')
     max_batch_rows: int = Field(256, description="hf engine: sequences per generate call")

@@ -49,5 +49,5 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                                                    apply_seconds=self.engine.last_apply_seconds)
 
     def GetPolicyVersion(self, request, context):
-        return inference_pb2.PolicyVersion(policy_version=self.engine.policy_version, model=self.model_name,
+        return inference_pb2.GetPolicyVersionResponse(policy_version=self.engine.policy_version, model=self.model_name,
                                            engine=self.engine.name)

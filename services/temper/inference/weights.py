@@ -1,6 +1,6 @@
 """The weight-update wire format: tensors as safetensors blobs, split into bounded chunks.
 
-Sender: ``chunks_from_tensors`` yields WeightChunk messages, one tensor after another, each
+Sender: ``chunks_from_tensors`` yields UpdateWeightsRequest messages (chunks), one tensor after another, each
 tensor's blob in order, with the blob's digest on its last chunk: XXH3-128 by default (an
 integrity check against truncation and corruption that costs little next to copying the bytes)
 or sha256. Receiver: ``WeightAssembler`` checks order, sizes and every digest present, and
@@ -22,12 +22,12 @@ from temper.runtime.errors import InvalidArgument, require
 from temper.v1 import inference_pb2
 
 DEFAULT_CHUNK_BYTES = 4 << 20  # = the server's default max_chunk_bytes
-# WeightChunk fields that carry a digest of the whole blob -> hex digest of bytes
+# UpdateWeightsRequest fields that carry a digest of the whole blob -> hex digest of bytes
 DIGESTS = {"xxh3_128": xxhash.xxh3_128_hexdigest, "sha256": lambda blob: hashlib.sha256(blob).hexdigest()}
 
 
 def chunks_from_tensors(tensors: dict[str, torch.Tensor], chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                        new_version: int = 0, checksum: str = "xxh3_128") -> Iterator[inference_pb2.WeightChunk]:
+                        new_version: int = 0, checksum: str = "xxh3_128") -> Iterator[inference_pb2.UpdateWeightsRequest]:
     digest_of = DIGESTS[checksum]
     first = True
     for name, tensor in tensors.items():
@@ -36,13 +36,13 @@ def chunks_from_tensors(tensors: dict[str, torch.Tensor], chunk_bytes: int = DEF
         for offset in range(0, len(blob), chunk_bytes):
             piece = blob[offset:offset + chunk_bytes]
             last = offset + len(piece) == len(blob)
-            yield inference_pb2.WeightChunk(tensor_name=name, data=piece, offset=offset, total_bytes=len(blob),
+            yield inference_pb2.UpdateWeightsRequest(tensor_name=name, data=piece, offset=offset, total_bytes=len(blob),
                                             new_version=new_version if first else 0, **(digest if last else {}))
             first = False
 
 
 class WeightAssembler:
-    """Collects a stream of WeightChunk into tensors, validating as it goes."""
+    """Collects a stream of UpdateWeightsRequest chunks into tensors, validating as it goes."""
 
     def __init__(self, max_chunk_bytes: int, max_total_bytes: int):
         self.max_chunk_bytes = max_chunk_bytes
@@ -55,7 +55,7 @@ class WeightAssembler:
         self._received = 0
         self._total = 0
 
-    def add(self, chunk: inference_pb2.WeightChunk, index: int) -> None:
+    def add(self, chunk: inference_pb2.UpdateWeightsRequest, index: int) -> None:
         field = f"chunks[{index}]"
         data = chunk.data  # one copy out of the message, reused below
         require(bool(chunk.tensor_name), f"{field}.tensor_name", "required")
@@ -82,7 +82,7 @@ class WeightAssembler:
         if self._received == self._total:
             self._finish(chunk)
 
-    def _finish(self, last: inference_pb2.WeightChunk) -> None:
+    def _finish(self, last: inference_pb2.UpdateWeightsRequest) -> None:
         name = self._name
         blob = self._pieces[0] if len(self._pieces) == 1 else b"".join(self._pieces)
         self._pieces = []
@@ -106,7 +106,7 @@ class WeightAssembler:
         return self.tensors
 
     @classmethod
-    def collect(cls, chunks: Iterable[inference_pb2.WeightChunk], max_chunk_bytes: int,
+    def collect(cls, chunks: Iterable[inference_pb2.UpdateWeightsRequest], max_chunk_bytes: int,
                 max_total_bytes: int) -> WeightAssembler:
         assembler = cls(max_chunk_bytes, max_total_bytes)
         for i, chunk in enumerate(chunks):

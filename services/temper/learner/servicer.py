@@ -21,7 +21,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             checkpoint_step=s.checkpoint_step, checkpoint_path=s.checkpoint_path, resumed=s.resumed)
 
     def Status(self, request, context):
-        return self._status()
+        return learner_pb2.StatusResponse(status=self._status())
 
     def Checkpoint(self, request, context):
         reject_unknown_fields(request, "request")
@@ -30,8 +30,8 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
 
     def Pause(self, request, context):
         self.loop.pause()
-        return self._status()
+        return learner_pb2.PauseResponse(status=self._status())
 
     def Resume(self, request, context):
         self.loop.resume()
-        return self._status()
+        return learner_pb2.ResumeResponse(status=self._status())

@@ -151,10 +151,10 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
 
     def Checkpoint(self, request, context):
         ckpt_id, size, sizes = self.store.checkpoint()
-        return replay_pb2.ReplayCheckpointResponse(checkpoint_id=ckpt_id, bytes=size, table_sizes=sizes)
+        return replay_pb2.ReplayServiceCheckpointResponse(checkpoint_id=ckpt_id, bytes=size, table_sizes=sizes)
 
     def Restore(self, request, context):
-        return replay_pb2.ReplayRestoreResponse(table_sizes=self.store.restore(request.checkpoint_id))
+        return replay_pb2.ReplayServiceRestoreResponse(table_sizes=self.store.restore(request.checkpoint_id))
 
 
 def _serialize(response) -> bytes:

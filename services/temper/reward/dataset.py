@@ -60,7 +60,7 @@ def records_from_trace(trace: sandbox_pb2.ExecutionTrace) -> list[dict]:
         return []
     req, resp = trace.run_tests_request, trace.run_tests_response
     n = len(req.tests)
-    if n == 0 or trace.verdict == sandbox_pb2.SANDBOX_ERROR:
+    if n == 0 or trace.verdict == sandbox_pb2.VERDICT_SANDBOX_ERROR:
         return []
     sources = [f.content for f in req.program.files if f.path == ""] or [f.content for f in req.program.files]
     if not sources:

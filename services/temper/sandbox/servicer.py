@@ -28,16 +28,21 @@ def program_from_proto(req: sandbox_pb2.ExecuteRequest) -> Program:
                       max_processes=lim.max_processes, max_output_bytes=lim.max_output_bytes))
 
 
+def verdict_to_proto(name: str) -> int:
+    """The core's verdict name (``OK``) -> the wire enum value (``VERDICT_OK``)."""
+    return sandbox_pb2.Verdict.Value(f"VERDICT_{name}")
+
+
 def result_to_proto(r: Result) -> sandbox_pb2.ExecuteResponse:
     return sandbox_pb2.ExecuteResponse(
-        verdict=sandbox_pb2.Verdict.Value(r.verdict.name), exit_code=r.exit_code, signal=r.signal, stdout=r.stdout,
+        verdict=verdict_to_proto(r.verdict.name), exit_code=r.exit_code, signal=r.signal, stdout=r.stdout,
         stderr=r.stderr, output_truncated=r.output_truncated, wall_seconds=r.wall_seconds, cpu_seconds=r.cpu_seconds,
         peak_memory_bytes=r.peak_memory_bytes, message=r.message)
 
 
 def tests_to_proto(t: TestsResult) -> sandbox_pb2.RunTestsResponse:
     resp = sandbox_pb2.RunTestsResponse(results=[result_to_proto(r) for r in t.results], passed=t.passed,
-                                        compile_verdict=sandbox_pb2.Verdict.Value(t.compile_verdict.name))
+                                        compile_verdict=verdict_to_proto(t.compile_verdict.name))
     if t.compile is not None:
         resp.compile.CopyFrom(result_to_proto(t.compile))
     return resp
@@ -100,7 +105,7 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
         while True:  # fields cut shorter until the whole trace fits one Kafka message
             trace = sandbox_pb2.ExecutionTrace(
                 execution_id=uuid.uuid4().hex, method=method, started_unix_ms=int(started * 1000),
-                queue_seconds=queued, total_seconds=seconds, verdict=sandbox_pb2.Verdict.Value(verdict))
+                queue_seconds=queued, total_seconds=seconds, verdict=verdict_to_proto(verdict))
             for name, message in call.items():
                 getattr(trace, name).CopyFrom(truncated(message, limit))
             if trace.ByteSize() <= MAX_TRACE_BYTES or limit <= 64:

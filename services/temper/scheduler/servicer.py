@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from temper.runtime.errors import FailedPrecondition, NotFound, reject_unknown_fields
+from temper.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, reject_unknown_fields
 from temper.scheduler.core import Job, JobSpec
 from temper.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -15,15 +15,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.jobs: dict[str, Job] = {}
 
     def StartJob(self, request, context):
-        reject_unknown_fields(request, "spec")
-        spec = JobSpec.from_proto(request)
+        reject_unknown_fields(request, "request")
+        try:
+            spec = JobSpec.from_proto(request.spec)
+        except InvalidArgument as e:  # JobSpec names its own fields; on the wire they sit under `spec`
+            raise InvalidArgument(e.message, field=f"spec.{e.field}") from None
         running = [j for j in self.jobs.values() if j.state == scheduler_pb2.JOB_STATE_RUNNING]
         if running:
             raise FailedPrecondition(f"job {running[0].spec.job_id} is still running", field="job_id")
         if spec.job_id in self.jobs:
             raise FailedPrecondition(f"job {spec.job_id} already ran; pick a new id", field="job_id")
         job = self.jobs[spec.job_id] = self.make_job(spec).start()
-        return job.status()
+        return scheduler_pb2.StartJobResponse(job=job.status())
 
     def _job(self, job_id: str) -> Job:
         if job_id not in self.jobs:
@@ -31,12 +34,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         return self.jobs[job_id]
 
     def GetJob(self, request, context):
-        return self._job(request.job_id).status()
+        return scheduler_pb2.GetJobResponse(job=self._job(request.job_id).status())
 
     def StopJob(self, request, context):
         job = self._job(request.job_id)
         job.stop()
-        return job.status()
+        return scheduler_pb2.StopJobResponse(job=job.status())
 
     def stop_all(self) -> None:
         for job in self.jobs.values():

@@ -31,6 +31,7 @@ from temper.reward.verifiers import Check, Verifier, register, short
 from temper.reward.verifiers import extract
 from temper.runtime.errors import InvalidArgument, TemperError, require
 from temper.runtime.logs import get_logger
+from temper.client.sdk import verdict_name
 from temper.v1 import sandbox_pb2
 
 _log = get_logger(component="reward.code")
@@ -110,7 +111,7 @@ def parse_suite(text: str, field: str, default_language: str, max_tests: int, wa
 
 
 def _verdict(v: int) -> str:
-    return sandbox_pb2.Verdict.Name(v)
+    return verdict_name(v)
 
 
 @register
@@ -175,8 +176,8 @@ class CodeVerifier(Verifier):
                 _log.warning("sandbox call failed; retrying", attempt=attempt + 1, attempts=attempts, error=why)
                 continue
             sandbox_errors = [r.message or "SANDBOX_ERROR" for r in response.results
-                              if r.verdict == sandbox_pb2.SANDBOX_ERROR]
-            if response.compile_verdict == sandbox_pb2.SANDBOX_ERROR:
+                              if r.verdict == sandbox_pb2.VERDICT_SANDBOX_ERROR]
+            if response.compile_verdict == sandbox_pb2.VERDICT_SANDBOX_ERROR:
                 sandbox_errors.append(response.compile.message or "SANDBOX_ERROR while compiling")
             if sandbox_errors:
                 why = f"SANDBOX_ERROR: {sandbox_errors[0]}"
@@ -190,12 +191,13 @@ class CodeVerifier(Verifier):
 
     @staticmethod
     def _checks(response: sandbox_pb2.RunTestsResponse, n_tests: int) -> list[Check]:
-        if response.compile_verdict not in (sandbox_pb2.OK, sandbox_pb2.VERDICT_UNSPECIFIED):
+        if response.compile_verdict not in (sandbox_pb2.VERDICT_OK, sandbox_pb2.VERDICT_UNSPECIFIED):
             first = (response.compile.stderr or b"").decode(errors="replace").strip().splitlines()[:1]
             detail = f"{_verdict(response.compile_verdict)}: {first[0] if first else response.compile.message}"
             return [Check("code.pass_fraction", 0.0, short(detail)), Check("code.all_pass", 0.0, short(detail))]
-        passed = sum(r.verdict == sandbox_pb2.OK for r in response.results)
-        failed = [f"#{i} {_verdict(r.verdict)}" for i, r in enumerate(response.results) if r.verdict != sandbox_pb2.OK]
+        passed = sum(r.verdict == sandbox_pb2.VERDICT_OK for r in response.results)
+        failed = [f"#{i} {_verdict(r.verdict)}" for i, r in enumerate(response.results)
+                  if r.verdict != sandbox_pb2.VERDICT_OK]
         detail = f"{passed}/{n_tests} passed" + (f"; failed: {', '.join(failed[:5])}" if failed else "")
         return [Check("code.pass_fraction", passed / n_tests, short(detail)),
                 Check("code.all_pass", float(passed == n_tests), short(detail))]
