@@ -7,20 +7,22 @@ and set equality, ``x = 2`` against 2.
 
 math-verify bounds sympy with ``signal.alarm``, which only works on a process's main thread,
 and sympy can hang on adversarial input: 9^{9^{9^{9^9}}} is one C-level integer power that no
-signal interrupts. So comparisons run in worker processes (spawned, each on its main thread)
-with math-verify's own timeouts inside, and a pool whose answer outlives
-``hard_timeout_seconds`` is terminated and replaced: a hung answer costs one hard timeout, never
-a stuck service. A timed-out or hung comparison scores 0 with a detail saying so (the answer
-was not shown equal; an adversarial answer must not escape its 0 by hanging the checker).
+signal interrupts. So comparisons run in a pebble ``ProcessPool`` (spawned workers, each call on
+a worker's main thread) with math-verify's own timeouts inside, and every answer scheduled with
+``hard_timeout_seconds``: pebble kills a worker whose task outlives it and starts a fresh one, so
+a hung answer costs one hard timeout, never a stuck service. A timed-out or hung comparison
+scores 0 with a detail saying so (the answer was not shown equal; an adversarial answer must not
+escape its 0 by hanging the checker).
 """
 
 from __future__ import annotations
 
 import functools
 import multiprocessing
-import threading
-import time
 from collections.abc import Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from pebble import ProcessExpired, ProcessPool
 
 from temper.reward.verifiers import Check, Verifier, register, short
 from temper.reward.verifiers import extract
@@ -33,10 +35,6 @@ _log = get_logger(component="reward.math")
 # -- worker side (runs in the pool's processes, on their main thread) -----------------------------
 def _warm() -> None:
     import math_verify  # noqa: F401 - import once per worker (~1 s), not per call
-
-
-def _ready(_: int) -> bool:
-    return True
 
 
 def _latex(text: str) -> str:
@@ -84,43 +82,7 @@ def check_answers(gold: str, answers: Sequence[str | None], whole: bool, timeout
     return out
 
 
-# -- service side -----------------------------------------------------------------------------------
-_HUNG, _RESET = object(), object()
-
-
-class _Pool:
-    """A spawn-context process pool that can be torn down and rebuilt when a call hangs."""
-
-    def __init__(self, workers: int):
-        self.workers = workers
-        self._pool = None
-        self._lock = threading.Lock()
-
-    def get(self):
-        with self._lock:
-            if self._pool is None:
-                pool = multiprocessing.get_context("spawn").Pool(self.workers, initializer=_warm)
-                # answers are timed from when they are awaited: start the clock on warm workers only
-                pool.map(_ready, range(2 * self.workers), chunksize=1)
-                self._pool = pool
-            return self._pool
-
-    def is_current(self, pool) -> bool:
-        with self._lock:
-            return self._pool is pool
-
-    def reset(self, pool) -> None:
-        with self._lock:
-            if self._pool is pool:
-                self._pool = None
-        pool.terminate()
-
-    def close(self) -> None:
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.terminate()
-            pool.join()
+# -- service side ----------------------------------------------------------------------------------
 
 
 @register
@@ -131,7 +93,10 @@ class MathVerifier(Verifier):
 
     def __init__(self, settings, **_):
         self.options = settings.math
-        self._pool = _Pool(self.options.workers)
+        # pebble times each task from its start in a worker, kills a worker past the timeout and
+        # replaces it; spawned workers (no forked threads or locks of the service)
+        self._pool = ProcessPool(max_workers=self.options.workers, initializer=_warm,
+                                 context=multiprocessing.get_context("spawn"))
 
     def prepare(self, task, field):
         reference = task.reference_answer.strip()
@@ -160,50 +125,38 @@ class MathVerifier(Verifier):
         return checks
 
     def _run(self, gold: str, field: str, answers: list[str | None]) -> list[tuple[float, str, str]]:
-        """(value, detail, error) per answer.
+        """(value, detail, error) per answer; one pool task per answer, each with the hard timeout.
 
-        One pool task per answer, collected in order: when an answer is awaited, the ones before it
-        are done, so it has had the workers for at least ``hard_timeout_seconds`` if it is not back
-        by then. A hung answer scores 0 (it was not shown equal in time; the same as a timeout
-        math-verify catches itself), the pool is replaced, and the answers after it run again.
+        A hung answer scores 0 (it was not shown equal in time; the same as a timeout math-verify
+        catches itself); pebble replaces its worker and the other answers are unaffected.
         """
         timeout, hard = self.options.timeout_seconds, self.options.hard_timeout_seconds
         whole = self.options.answer_format == "auto"
-        out: list[tuple[float, str, str] | None] = [None] * len(answers)
-        todo = [i for i, a in enumerate(answers) if a is not None]
-        for i, a in enumerate(answers):
-            if a is None:
-                out[i] = (0.0, "no answer found", "")
-        while todo:
-            pool = self._pool.get()
-            pending = [(i, pool.apply_async(self.check, (gold, [answers[i]], whole, timeout))) for i in todo]
-            todo = []
-            for k, (i, result) in enumerate(pending):
-                part = self._await(pool, result, hard)
-                if part is _RESET:  # another caller's hung answer replaced the pool: run the rest again
-                    todo = [j for j, _ in pending[k:]]
-                    break
-                if part is _HUNG:
-                    _log.error("math-verify hung; worker pool replaced", seconds=hard, answer=short(str(answers[i])))
-                    self._pool.reset(pool)
-                    out[i] = (0.0, f"comparison hung past {hard:g}s (worker replaced)", "")
-                    todo = [j for j, _ in pending[k + 1:]]
-                    break
-                if part is None:
-                    raise InvalidArgument(f"math-verify cannot parse the reference {gold!r}", field=field)
-                out[i] = (*part[0], "")
-        return out  # type: ignore[return-value]
-
-    def _await(self, pool, result, seconds: float):
-        deadline = time.monotonic() + seconds
-        while True:
+        futures = [None if a is None else self._pool.schedule(self.check, (gold, [a], whole, timeout), timeout=hard)
+                   for a in answers]
+        out: list[tuple[float, str, str]] = []
+        for a, future in zip(answers, futures):
+            if future is None:
+                out.append((0.0, "no answer found", ""))
+                continue
             try:
-                return result.get(max(0.0, min(0.5, deadline - time.monotonic())))
-            except multiprocessing.TimeoutError:
-                if not self._pool.is_current(pool):
-                    return _RESET
-                if time.monotonic() >= deadline:
-                    return _HUNG
+                part = future.result()
+            except FutureTimeout:
+                _log.error("math-verify hung; worker replaced", seconds=hard, answer=short(str(a)))
+                out.append((0.0, f"comparison hung past {hard:g}s (worker replaced)", ""))
+                continue
+            except ProcessExpired as e:  # the worker died under the answer (e.g. out of memory): not shown equal
+                _log.error("math-verify worker died; replaced", exit_code=e.exitcode, answer=short(str(a)))
+                out.append((0.0, f"comparison worker died (exit code {e.exitcode}; worker replaced)", ""))
+                continue
+            if part is None:
+                for f in futures:
+                    if f is not None:
+                        f.cancel()
+                raise InvalidArgument(f"math-verify cannot parse the reference {gold!r}", field=field)
+            out.append((*part[0], ""))
+        return out
 
     def close(self) -> None:
-        self._pool.close()
+        self._pool.stop()
+        self._pool.join()
