@@ -2,10 +2,13 @@
 #   make setup   idempotent: system packages (runsc), .venv with every dependency, protobuf code,
 #                SmolLM2-135M-Instruct converted to safetensors in .temper/models
 #   make run     the embedded default job (a real post-training loop on loopback)
-#   make test    the test suite (unit + integration + end-to-end with real processes)
+#   make test    lint, then the fast tier (no processes, no servers), then every other test
+#                (real broker, real gRPC, real processes, end to end); not the benchmarks
+#   make test-fast  the fast tier only (pytest -m fast; under two minutes)
 #   make bench   benchmarks (not part of make test)
 #   make protos  regenerate clients/temper/v1 from protos/ (clients/build_protos.py, the one recipe)
-#   make lint    ruff
+#   make lint    ruff; buf lint of protos/; buf breaking against protos/baseline.binpb
+#   make proto-baseline  accept the current protos as the contract buf breaking checks against
 
 PYTHON ?= python3
 VENV := .venv
@@ -15,7 +18,7 @@ STAMP := $(VENV)/.temper-setup
 PROTO_SRC := $(wildcard protos/temper/v1/*.proto)
 PROTO_STAMP := clients/temper/v1/.generated
 
-.PHONY: setup run test test-all bench protos lint clean system-deps
+.PHONY: setup run test test-fast test-rest bench protos lint proto-baseline clean system-deps
 
 SMOLLM2 := .temper/models/smollm2-135m-instruct
 
@@ -61,14 +64,30 @@ protos:
 run: setup
 	$(VENV)/bin/temper run
 
-test: setup
-	$(VENV)/bin/pytest -q -ra tests
+BUF := $(VENV)/bin/buf
+PYTEST := $(VENV)/bin/pytest -q -ra
+
+test: lint test-fast test-rest
+
+test-fast: setup
+	$(PYTEST) -m fast tests
+
+# everything else but the benchmarks (-m overrides pyproject's addopts)
+test-rest: setup
+	$(PYTEST) -m "not fast and not bench" tests
 
 bench: setup
 	$(VENV)/bin/pytest -q -s -m bench tests/bench
 
 lint: setup
 	$(VENV)/bin/ruff check services clients tests
+	$(BUF) lint protos
+	$(BUF) breaking protos --against protos/baseline.binpb
+
+# A deliberate contract change (a field removed, a type changed, a rename): update the baseline in
+# the same commit as the .proto change, so the review sees both. Adding fields/messages/RPCs needs no update.
+proto-baseline: setup
+	$(BUF) build protos --exclude-source-info -o protos/baseline.binpb
 
 clean:
 	rm -rf build clients/temper/v1 .temper runs

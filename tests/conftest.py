@@ -1,13 +1,21 @@
-"""Shared fixtures: a real broker, a real local stack of services, one service as a process; all on 127.0.0.1.
+"""Shared fixtures: a real broker, a real local stack of services, one service as a process; all on
+127.0.0.1; the test tiers.
 
 Everything a fixture or helper starts it stops, by PID (the launcher records them; ``spawn_service``
 holds its Popen).
+
+Tiers: a test is marked ``fast`` (``pytest -m fast``) unless it starts processes or servers:
+unless it uses a fixture that does (``PROCESS_FIXTURES``), runs the vLLM engine (it compiles
+kernels with g++), or its module is marked ``slow`` (it starts them itself). The marker is
+checked, not trusted: while a ``fast`` test runs, starting a process or a server fails it.
 """
 
 from __future__ import annotations
 
+import multiprocessing.process
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+import grpc
 import pytest
 
 from temper.runtime.broker import start_broker_on_free_port
@@ -48,6 +57,10 @@ def stack(tmp_path_factory):
 
 
 def wait_until(predicate, timeout: float = 30.0, interval: float = 0.05, what: str = "condition"):
+    """Poll ``predicate`` until it returns something true (returned) or ``timeout`` runs out (AssertionError).
+
+    The one way tests wait: on the condition itself, never on a sleep that hopes it came true.
+    """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
@@ -133,3 +146,61 @@ def spawn_service(name: str, workdir: Path, *args: str, port: int = 0, timeout: 
         handle.stop(grace=10)
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
         raise RuntimeError(f"{e}; its log ({log}) ends:\n{tail}") from None
+
+
+def holds_for(predicate, seconds: float, interval: float = 0.05, what: str = "condition") -> None:
+    """Check that ``predicate`` stays true for ``seconds`` (failing at the first time it is not).
+
+    For the properties that are about a span of time ("nothing trains while paused"): no event
+    marks that nothing happened, so the invariant is watched over the window instead.
+    """
+    deadline = time.monotonic() + seconds
+    while True:
+        assert predicate(), f"{what} stopped holding"
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(interval)
+
+
+# fixtures (of any conftest) that start processes or servers: a test using one is not fast
+PROCESS_FIXTURES = frozenset({
+    "broker", "stack",                      # here: the embedded broker, every service
+    "service", "client",                    # sandbox/inference: the service as a process
+    "sandbox", "scorer",                    # reward: the sandbox service; the math verifier's worker pool
+    "learner_stack", "run",                 # learner: broker + inference + replay; e2e: `temper run`
+})
+
+
+def _starts_processes(item) -> bool:
+    if any(item.get_closest_marker(m) for m in ("slow", "e2e", "bench")):
+        return True
+    if PROCESS_FIXTURES & set(item.fixturenames):
+        return True
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return params.get("engine") == "vllm"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if not _starts_processes(item):
+            item.add_marker(pytest.mark.fast)
+
+
+@pytest.fixture(autouse=True)
+def _fast_starts_nothing(request, monkeypatch):
+    """A ``fast`` test that starts a process or a server fails, naming what it started."""
+    if request.node.get_closest_marker("fast") is None:
+        return
+
+    def refuse(what):
+        def refused(*args, **kwargs):
+            raise AssertionError(f"a test marked fast started {what}: mark its module slow "
+                                 f"(or add its fixture to tests/conftest.py PROCESS_FIXTURES)")
+        return refused
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse("a subprocess"))
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse("a multiprocessing worker"))
+    monkeypatch.setattr(os, "fork", refuse("a fork"))
+    monkeypatch.setattr(os, "posix_spawn", refuse("a process"))
+    monkeypatch.setattr(grpc, "server", refuse("a gRPC server"))
+    monkeypatch.setattr(socket.socket, "listen", refuse("a listening socket"))

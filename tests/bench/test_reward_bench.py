@@ -23,7 +23,8 @@ from temper.reward.models import RewardModelEngine, build_tiny_reward_model
 from temper.reward.settings import CodeOptions, MathOptions, RewardSettings
 from temper.reward.verifiers.code import sandbox_runner
 from temper.tasks import code_problems, math_problems
-from tests.reward.conftest import group, start_sandbox
+from tests.builders import rollout_group
+from tests.reward.conftest import start_sandbox
 
 pytestmark = pytest.mark.bench
 
@@ -45,7 +46,7 @@ def math_groups(n_groups: int = 8, size: int = 8):
         task = math_problems.make_task(domain, rng, f"t{i}")
         texts = [f"Step 1 ... step 2 ...\n\\boxed{{{task.reference_answer if k % 2 == 0 else str(k) + '/7'}}}"
                  for k in range(size)]
-        groups.append(group(domain, task.reference_answer, texts, group_id=f"m{i}"))
+        groups.append(rollout_group(domain, task.reference_answer, texts, group_id=f"m{i}"))
     return groups
 
 
@@ -85,7 +86,7 @@ def test_code_batch(tmp_path):
         task = code_problems.make_task(domain, rng, f"c{i}")
         # distinct programs (a comment differs), half of them wrong
         texts = [f"```python\n# attempt {k}\n{solutions[domain] if k % 2 == 0 else 'print(0)'}\n```" for k in range(8)]
-        groups.append(group(domain, task.reference_answer, texts, group_id=f"c{i}"))
+        groups.append(rollout_group(domain, task.reference_answer, texts, group_id=f"c{i}"))
     n = sum(len(g.trajectories) for g in groups)
     sandbox = start_sandbox(tmp_path)
     try:

@@ -15,6 +15,7 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 from temper.inference.engine import SamplingParams
 from temper.learner.trainer import Batch, Trainer, TrainerConfig
 from temper.runtime.errors import FailedPrecondition, InvalidArgument
+from tests.conftest import wait_until
 from tests.inference.teacher import max_logprob_error, perturbed, set_weights, teacher_logits
 
 PROMPTS = ("copy 1 2 3", "next 4", "7 + 1", "copy 9 9 9 9 9 9")  # different lengths: padding must not shift
@@ -237,8 +238,8 @@ def test_an_update_never_splits_a_generation(engine, teacher):
 
             thread = threading.Thread(target=long_generation)
             thread.start()
-            while not engine._running and thread.is_alive():
-                time.sleep(0.0005)
+            wait_until(lambda: engine._running or not thread.is_alive(), 60, interval=0.0005,  # noqa: B023
+                       what="the generation to start")
             submitted = time.monotonic()
             assert engine.apply_weights(target) == start_version + 1
             thread.join(60)

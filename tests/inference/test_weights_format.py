@@ -48,3 +48,29 @@ def test_corrupted_bytes_are_caught():
     with pytest.raises(InvalidArgument, match="checksum mismatch") as e:
         WeightAssembler.collect(chunks, 700, 1 << 20)
     assert e.value.field == "tensor a.weight"
+
+
+def test_chunks_are_bounded_and_carry_the_version():
+    chunks = list(chunks_from_tensors(_tensors(), chunk_bytes=1000, new_version=7))
+    assert len(chunks) > 3 and all(len(c.data) <= 1000 for c in chunks)
+    assert [c.new_version for c in chunks] == [7] + [0] * (len(chunks) - 1)  # first chunk only
+    assert WeightAssembler.collect(chunks, max_chunk_bytes=1000, max_total_bytes=1 << 20).new_version == 7
+
+
+def test_truncated_stream_is_refused():
+    chunks = [c for c in chunks_from_tensors(_tensors(), chunk_bytes=500) if c.tensor_name == "a.weight"]
+    with pytest.raises(InvalidArgument) as e:  # the stream ends mid-tensor
+        WeightAssembler.collect(chunks[:-1], 500, 1 << 20)
+    assert e.value.field == "tensor a.weight"
+    full = list(chunks_from_tensors(_tensors(), chunk_bytes=500))
+    del full[len(chunks) - 1]  # a.weight's last chunk lost, then b.bias starts
+    with pytest.raises(InvalidArgument, match="incomplete") as e:
+        WeightAssembler.collect(full, 500, 1 << 20)
+    assert e.value.field == "tensor a.weight"
+
+
+def test_oversized_chunk_is_refused():
+    chunks = list(chunks_from_tensors(_tensors(), chunk_bytes=1 << 20))
+    with pytest.raises(InvalidArgument) as e:
+        WeightAssembler.collect(chunks, 100, 1 << 20)
+    assert e.value.field == "chunks[0].data"

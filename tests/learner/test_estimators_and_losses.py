@@ -27,6 +27,14 @@ def test_grpo_broadcasts_group_normalised_scores_including_token_rewards():
     assert close(adv, [1.0, 1.0, -1.0], 1e-5)
 
 
+def test_grpo_group_without_variance_has_no_signal():
+    # group 0: 1, 0, 0, 1 -> mean 0.5, std 0.5 -> +1, -1, -1, +1; group 1: 1, 1 -> std 0 -> 0, not a division by ~0
+    x = AdvantageInputs(torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0]), torch.tensor([0, 0, 0, 0, 1, 1]),
+                        torch.ones(6, dtype=torch.long))
+    adv, _ = ADVANTAGE_ESTIMATORS["grpo"](x, eps=1e-12)
+    assert close(adv, [1.0, -1.0, -1.0, 1.0, 0.0, 0.0], 1e-5)
+
+
 def test_dr_grpo_is_centred_but_not_scaled():
     x = AdvantageInputs(torch.tensor([3.0, 1.0, 2.0, 5.0]), torch.tensor([0, 0, 0, 1]), torch.tensor([1, 2, 1, 1]))
     adv, _ = ADVANTAGE_ESTIMATORS["dr_grpo"](x)

@@ -30,7 +30,7 @@ from temper.runtime.launcher import Launcher, pid_alive
 from temper.tasks import toy
 from temper.inference.weights import chunks_from_tensors
 from temper.v1 import common_pb2
-from tests.conftest import wait_until
+from tests.conftest import holds_for, wait_until
 
 CONFIG = """
 [job]
@@ -131,8 +131,7 @@ def test_trains_publishes_checkpoints_pauses_and_resumes_after_a_crash(learner_s
     # pause: nothing trains while paused, even with data waiting; resume continues
     assert learner.pause().paused
     replay.insert(make_groups(inference, 8, seed=2))
-    time.sleep(2.0)
-    assert learner.status().step == 4
+    holds_for(lambda: learner.status().step == 4, 2.0, what="no step while paused")
     resp = learner.checkpoint()
     assert resp.step == 4 and Path(resp.path).is_dir()
     assert not learner.resume().paused

@@ -11,7 +11,8 @@ from temper.client.sdk import ReplayClient
 from temper.runtime import kafka
 from temper.runtime.launcher import pid_alive
 from tests.conftest import wait_until
-from tests.replay.util import make_group, start_replay
+from tests.builders import scored_group
+from tests.replay.util import start_replay
 
 CONFIG = """
 [replay]
@@ -37,7 +38,7 @@ def test_kill_9_during_ingest_loses_nothing_and_readmits_nothing(tmp_path, repla
         try:
             producer = kafka.ProtoProducer(state.kafka_bootstrap, "crash-test")
             for i in range(N_KAFKA):
-                g = make_group(f"k{i}", n=4, tokens=64, seed=i)
+                g = scored_group(f"k{i}", n=4, tokens=64, seed=i)
                 producer.send(kafka.SCORED, g.group_id, g).get(30)
                 time.sleep(0.01)
             producer.close()
@@ -50,7 +51,7 @@ def test_kill_9_during_ingest_loses_nothing_and_readmits_nothing(tmp_path, repla
         while not stop.is_set():
             gid = f"r{i}"
             try:
-                client.insert([make_group(gid, n=4, tokens=64, seed=10_000 + i)])
+                client.insert([scored_group(gid, n=4, tokens=64, seed=10_000 + i)])
                 acked_grpc.append(gid)
             except grpc.RpcError:
                 failed_grpc.append(gid)
@@ -67,10 +68,11 @@ def test_kill_9_during_ingest_loses_nothing_and_readmits_nothing(tmp_path, repla
         handed_out = [g.group_id for g in replay.sample(20, timeout_ms=5000)]  # consumed before the crash
         launcher.stop_service("replay", kill=True)  # SIGKILL mid-ingest
         assert not pid_alive(pids[1])
-        time.sleep(0.5)
+        wait_until(lambda: failed_grpc, 30, what="a gRPC insert refused while replay is down")
         launcher.start_service("replay")
+        acked_at_restart = len(acked_grpc)
         threads[0].join(120)  # the producer kept going through the crash; Kafka holds the backlog
-        time.sleep(0.5)
+        wait_until(lambda: len(acked_grpc) > acked_at_restart, 60, what="a gRPC insert acknowledged after the restart")
         stop.set()
         threads[1].join(60)
         assert not errors, errors

@@ -13,7 +13,7 @@ from temper.replay.rate_limiter import RateLimiter
 from temper.replay.store import ReplayStore
 from temper.replay.tables import TableConfig
 from temper.runtime.errors import DeadlineExceeded, InvalidArgument
-from tests.replay.util import make_group
+from tests.builders import scored_group
 
 
 def test_min_size_only():
@@ -81,7 +81,7 @@ def test_invariant_holds_under_concurrent_inserters_and_samplers(tmp_path):
             for k in range(per_inserter):
                 if k == per_inserter // 2:
                     second_half.set()
-                g = make_group(f"w{w}/{k}")
+                g = scored_group(f"w{w}/{k}")
                 while True:
                     try:
                         r = store.insert("t", [g], timeout=0.002)
@@ -144,7 +144,7 @@ def test_invariant_holds_under_concurrent_inserters_and_samplers(tmp_path):
 
 def test_concurrent_samplers_never_share_a_sample_once_group(tmp_path):
     store = ReplayStore(tmp_path / "r.sqlite", {"t": TableConfig(sampler="uniform", max_times_sampled=1, seed=3)})
-    store.insert("t", [make_group(f"g{i}") for i in range(200)])
+    store.insert("t", [scored_group(f"g{i}") for i in range(200)])
     got: list[str] = []
     lock = threading.Lock()
 
@@ -174,7 +174,7 @@ def test_batches_larger_than_the_band_allows_are_refused(tmp_path):
     with pytest.raises(InvalidArgument) as e:
         store.sample("t", 8, timeout=0, max_batch=100)  # band width 8 - spi 1 = 7 at most
     assert e.value.field == "batch_size"
-    store.insert("t", [make_group(f"g{i}") for i in range(3)])
+    store.insert("t", [scored_group(f"g{i}") for i in range(3)])
     with pytest.raises(DeadlineExceeded) as e:  # blocked by the ratio, not refused
         store.sample("t", 7, timeout=0.05, max_batch=100)
     assert "rate limiter" in str(e.value)

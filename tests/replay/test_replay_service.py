@@ -11,7 +11,8 @@ from temper.runtime.launcher import pid_alive
 from temper.runtime.rpc import check_health
 from temper.v1 import common_pb2, replay_pb2
 from tests.conftest import wait_until
-from tests.replay.util import make_group, start_replay
+from tests.builders import scored_group
+from tests.replay.util import start_replay
 
 CONFIG = """
 [replay]
@@ -59,7 +60,7 @@ def test_kafka_ingest_reaches_every_ingest_table(replay):
     client, state = replay
     producer = kafka.ProtoProducer(state.kafka_bootstrap, "test")
     for i in range(3):
-        g = make_group(f"kafka-{i}", n=4)
+        g = scored_group(f"kafka-{i}", n=4)
         producer.send(kafka.SCORED, g.group_id, g).get(10)
     producer.close()
     wait_until(lambda: client.stats("default").size == 3 and client.stats("prio").size == 3, 60, what="ingest")
@@ -71,7 +72,7 @@ def test_kafka_ingest_reaches_every_ingest_table(replay):
 
 def test_prioritized_sampling_reports_probabilities_and_weights(replay):
     client, _ = replay
-    r = client.insert([make_group(f"p{i}") for i in range(3)], table="prio", priorities=[4.0, 1.0, 0.0])
+    r = client.insert([scored_group(f"p{i}") for i in range(3)], table="prio", priorities=[4.0, 1.0, 0.0])
     assert r.inserted == 3
     resp = client.sample_batch(200, table="prio", timeout_ms=0)
     assert len(resp.groups) == len(resp.info) == 200
@@ -92,8 +93,8 @@ def test_prioritized_sampling_reports_probabilities_and_weights(replay):
 
 def test_policy_lag_and_quota_through_grpc(replay):
     client, _ = replay
-    client.insert([make_group("m0", domain="math", version=5), make_group("m1", domain="math", version=5),
-                   make_group("m2", domain="math", version=6), make_group("c0", domain="code", version=4)], table="lag")
+    client.insert([scored_group("m0", domain="math", version=5), scored_group("m1", domain="math", version=5),
+                   scored_group("m2", domain="math", version=6), scored_group("c0", domain="code", version=4)], table="lag")
     s = client.stats("lag")
     assert dict(s.domain_counts) == {"math": 2, "code": 1} and s.removed["quota"] == 1
     resp = client.sample_batch(50, table="lag", timeout_ms=0, current_policy_version=7)  # lag 2: versions >= 5
@@ -105,25 +106,25 @@ def test_policy_lag_and_quota_through_grpc(replay):
 
 def test_bad_input_is_refused_naming_the_field_and_harms_nothing(replay):
     client, state = replay
-    client.insert([make_group("keep-1"), make_group("keep-2")], table="default")
+    client.insert([scored_group("keep-1"), scored_group("keep-2")], table="default")
     before = client.stats("default")
     expect(IA, "table", client.sample, 1, table="nope", timeout_ms=0)
     expect(IA, "table", client.stats, "nope")
     expect(IA, "table", client.update_priorities, {"x": 1.0}, table="nope")
     expect(IA, "requests[1].table", client.stub.Insert, iter([
-        replay_pb2.InsertRequest(table="default", group=make_group("new-1")),
-        replay_pb2.InsertRequest(table="nope", group=make_group("new-2"))]), timeout=10)
+        replay_pb2.InsertRequest(table="default", group=scored_group("new-1")),
+        replay_pb2.InsertRequest(table="nope", group=scored_group("new-2"))]), timeout=10)
     for bad in (0, -3, 257):  # max_batch = 256
         expect(IA, "batch_size", client.sample, bad, table="default", timeout_ms=0)
     expect(IA, "timeout_ms", client.sample, 1, table="default", timeout_ms=-1)
     expect(IA, "priorities['keep-1']", client.update_priorities, {"keep-2": 1.0, "keep-1": -1.0}, table="default")
     expect(IA, "priorities['keep-2']", client.update_priorities, {"keep-2": math.nan}, table="default")
-    expect(IA, "requests[1].priority", client.insert, [make_group("new-3"), make_group("new-4")], table="default",
+    expect(IA, "requests[1].priority", client.insert, [scored_group("new-3"), scored_group("new-4")], table="default",
            priorities=[1.0, -0.5])
-    malformed = make_group("new-5")
+    malformed = scored_group("new-5")
     malformed.trajectories[1].completion_logprobs.pop()
     expect(IA, "requests[1].group.trajectories[1].completion_logprobs", client.insert,
-           [make_group("new-6"), malformed], table="default")
+           [scored_group("new-6"), malformed], table="default")
     expect(IA, "requests[0].group", client.stub.Insert, iter([replay_pb2.InsertRequest(table="default")]), timeout=10)
     expect(IA, "importance_sampling_exponent", client.sample_batch, 1, table="prio", timeout_ms=0,
            importance_sampling_exponent=-1.0)
@@ -133,7 +134,7 @@ def test_bad_input_is_refused_naming_the_field_and_harms_nothing(replay):
     assert (after.size, after.inserts, after.duplicates) == (before.size, before.inserts, before.duplicates)
     got = {g.group_id: g for g in client.sample(after.size, table="default", timeout_ms=0)}  # FIFO: all of it
     assert set(got) == {"keep-1", "keep-2"}
-    assert got["keep-1"] == make_group("keep-1")  # intact
+    assert got["keep-1"] == scored_group("keep-1")  # intact
     assert check_health(state.services["replay"].address) == "SERVING"
 
 
@@ -146,7 +147,7 @@ def test_sample_waits_for_enough_groups_then_times_out(replay):
 
 def test_checkpoint_and_restore_through_grpc(replay):
     client, _ = replay
-    client.insert([make_group("ck-a"), make_group("ck-b")])
+    client.insert([scored_group("ck-a"), scored_group("ck-b")])
     ckpt = client.checkpoint()
     assert ckpt.table_sizes["default"] == 2 and ckpt.bytes > 0
     assert [g.group_id for g in client.sample(2, timeout_ms=0)] == ["ck-a", "ck-b"]

@@ -3,6 +3,7 @@ migration, and bad input that harms nothing stored."""
 
 import math
 import sqlite3
+import threading
 
 import pytest
 
@@ -10,7 +11,8 @@ from temper.replay.store import ReplayStore
 from temper.replay.tables import TableConfig
 from temper.runtime.errors import DeadlineExceeded, InvalidArgument, NotFound
 from temper.v1 import common_pb2
-from tests.replay.util import make_group
+from tests.builders import scored_group
+from tests.conftest import wait_until
 
 SAMPLERS = ["fifo", "lifo", "uniform", "prioritized"]
 
@@ -22,7 +24,7 @@ def open_store(path, **tables):
 @pytest.mark.parametrize("sampler", SAMPLERS)
 def test_groups_are_sampled_whole_and_unchanged(tmp_path, sampler):
     store = open_store(tmp_path, t=dict(sampler=sampler, max_times_sampled=1, seed=2))
-    groups = [make_group(f"g{i}", n=1 + i % 5, tokens=3 + 7 * i, seed=i) for i in range(12)]
+    groups = [scored_group(f"g{i}", n=1 + i % 5, tokens=3 + 7 * i, seed=i) for i in range(12)]
     store.insert("t", groups, priorities=[1.0 + i for i in range(12)])
     want = {g.group_id: g.SerializeToString() for g in groups}
     got = []
@@ -36,30 +38,61 @@ def test_groups_are_sampled_whole_and_unchanged(tmp_path, sampler):
     assert sorted(got) == sorted(want)  # each exactly once (max_times_sampled = 1)
 
 
+def test_dedup_survives_reopening_and_sampling(tmp_path):
+    store = open_store(tmp_path, t=dict(sampler="fifo", max_times_sampled=1))
+    r = store.insert("t", [scored_group("a"), scored_group("b")])
+    assert (r.inserted, r.duplicates) == (2, 0)
+    r = store.insert("t", [scored_group("a")])
+    assert (r.inserted, r.duplicates) == (0, 1)
+    store.close()
+    store = open_store(tmp_path, t=dict(sampler="fifo", max_times_sampled=1))  # everything acknowledged is there
+    got = [common_pb2.RolloutGroup.FromString(d.payload) for d in store.sample("t", 1, timeout=0, max_batch=10).draws]
+    assert [g.group_id for g in got] == ["a"] and len(got[0].trajectories) == 2  # FIFO, groups whole
+    r = store.insert("t", [scored_group("a")])  # sampled out, still known: a redelivery is not re-admitted
+    assert (r.inserted, r.duplicates) == (0, 1)
+    s = store.stats("t")
+    assert (s.size, s.inserts, s.samples, s.duplicates) == (1, 2, 1, 2)
+    assert s.domain_counts == {"toy.copy": 1}
+
+
+def test_sample_waits_for_an_insert_then_times_out(tmp_path):
+    store = open_store(tmp_path, t=dict(max_times_sampled=1))
+    def insert_once_a_sample_waits():
+        wait_until(lambda: store.stats("t").waiting_samples >= 1, 10, what="a waiting sample")
+        store.insert("t", [scored_group("late")])
+
+    late = threading.Thread(target=insert_once_a_sample_waits)
+    late.start()
+    assert [d.group_id for d in store.sample("t", 1, timeout=10, max_batch=10).draws] == ["late"]
+    late.join(10)
+    with pytest.raises(DeadlineExceeded):
+        store.sample("t", 1, timeout=0.1, max_batch=10)
+
+
 def test_policy_lag_is_respected_and_survives_restart(tmp_path):
     store = open_store(tmp_path, t=dict(sampler="uniform", max_times_sampled=0, max_policy_lag=1, seed=0))
-    store.insert("t", [make_group(f"v{v}", version=v) for v in range(3)])  # newest seen: 2, so v0 is stale
+    store.insert("t", [scored_group(f"v{v}", version=v) for v in range(3)])  # newest seen: 2, so v0 is stale
     assert store.stats("t").policy_version_counts == {1: 1, 2: 1}
     r = store.sample("t", 50, timeout=0, max_batch=100, current_policy_version=3)  # the learner is at 3
     assert {d.group_id for d in r.draws} == {"v2"} and r.policy_version == 3
-    late = store.insert("t", [make_group("late-v1", version=1)])  # arrives too stale: acknowledged only
+    late = store.insert("t", [scored_group("late-v1", version=1)])  # arrives too stale: acknowledged only
     assert (late.inserted, late.stale) == (0, 1)
     store.close()
     store = open_store(tmp_path, t=dict(sampler="uniform", max_times_sampled=0, max_policy_lag=1, seed=0))
     s = store.stats("t")
     assert s.policy_version == 3 and s.size == 1
     assert s.removed["stale"] == 2 and s.removed["stale_on_insert"] == 1
-    again = store.insert("t", [make_group("late-v1", version=1), make_group("v0", version=0)])
+    again = store.insert("t", [scored_group("late-v1", version=1), scored_group("v0", version=0)])
     assert again.duplicates == 2  # never re-admitted
     # a group spanning versions counts as its oldest trajectory's
-    mixed = make_group("mixed", version=3)
+    mixed = scored_group("mixed", version=3)
     mixed.trajectories[0].policy_version = 1
     assert store.insert("t", [mixed]).stale == 1
 
 
 def test_max_size_evicts_with_the_remover_and_reports_it(tmp_path):
     store = open_store(tmp_path, t=dict(max_size=3, remover="fifo", max_times_sampled=0))
-    r = store.insert("t", [make_group(f"g{i}") for i in range(5)])
+    r = store.insert("t", [scored_group(f"g{i}") for i in range(5)])
     assert (r.inserted, r.evicted) == (5, 2)
     assert [d.group_id for d in store.sample("t", 1, timeout=0, max_batch=5).draws] == ["g2"]
     assert store.stats("t").removed["evicted"] == 2
@@ -68,7 +101,7 @@ def test_max_size_evicts_with_the_remover_and_reports_it(tmp_path):
 def test_priorities_update_durably_and_bad_ones_change_nothing(tmp_path):
     cfg = dict(sampler="prioritized", max_times_sampled=0, remover="lowest_priority", seed=0)
     store = open_store(tmp_path, t=cfg)
-    store.insert("t", [make_group("a"), make_group("b")], priorities=[1.0, 1.0])
+    store.insert("t", [scored_group("a"), scored_group("b")], priorities=[1.0, 1.0])
     assert store.update_priorities("t", {"a": 0.0, "gone": 3.0}) == (1, ["gone"])
     for bad in (-1.0, math.nan, math.inf):
         with pytest.raises(InvalidArgument) as e:
@@ -82,14 +115,14 @@ def test_priorities_update_durably_and_bad_ones_change_nothing(tmp_path):
 
 def test_checkpoint_and_restore(tmp_path):
     store = open_store(tmp_path, t=dict(max_times_sampled=1))
-    store.insert("t", [make_group("a"), make_group("b")])
+    store.insert("t", [scored_group("a"), scored_group("b")])
     ckpt, size, sizes = store.checkpoint()
     assert size > 0 and sizes == {"t": 2}
     store.sample("t", 2, timeout=0, max_batch=10)
-    store.insert("t", [make_group("c")])
+    store.insert("t", [scored_group("c")])
     assert store.restore(ckpt) == {"t": 2}
     assert [d.group_id for d in store.sample("t", 2, timeout=0, max_batch=10).draws] == ["a", "b"]
-    assert store.insert("t", [make_group("c")]).inserted == 1  # "c" came after the checkpoint
+    assert store.insert("t", [scored_group("c")]).inserted == 1  # "c" came after the checkpoint
     s = store.stats("t")
     assert (s.inserts, s.samples) == (3, 2)
     store.close()
@@ -104,7 +137,7 @@ def test_checkpoint_and_restore(tmp_path):
 
 def test_a_failed_transaction_leaves_memory_and_disk_as_they_were(tmp_path, monkeypatch):
     store = open_store(tmp_path, t=dict(max_size=2, max_times_sampled=1))
-    store.insert("t", [make_group("a"), make_group("b")])
+    store.insert("t", [scored_group("a"), scored_group("b")])
 
     def broken(table, removed):  # fails once the table in memory has evicted "a" and added "c"
         if removed:
@@ -113,7 +146,7 @@ def test_a_failed_transaction_leaves_memory_and_disk_as_they_were(tmp_path, monk
 
     monkeypatch.setattr(store, "_persist", broken)
     with pytest.raises(sqlite3.OperationalError):
-        store.insert("t", [make_group("c")])
+        store.insert("t", [scored_group("c")])
     monkeypatch.undo()
     s = store.stats("t")
     assert (s.size, s.inserts, s.removed["evicted"]) == (2, 2, 0)
@@ -122,7 +155,7 @@ def test_a_failed_transaction_leaves_memory_and_disk_as_they_were(tmp_path, monk
 
 def test_a_changed_config_is_applied_on_reopen(tmp_path):
     store = open_store(tmp_path, t=dict(max_size=10, max_times_sampled=0))
-    store.insert("t", [make_group(f"g{i}", domain="math" if i < 6 else "code") for i in range(8)])
+    store.insert("t", [scored_group(f"g{i}", domain="math" if i < 6 else "code") for i in range(8)])
     store.close()
     store = open_store(tmp_path, t=dict(max_size=5, max_times_sampled=0, domain_quotas={"math": 2}))
     s = store.stats("t")
@@ -140,11 +173,11 @@ def test_opens_the_skeleton_schema(tmp_path):
         CREATE TABLE counters (tbl TEXT, name TEXT, value INTEGER, PRIMARY KEY (tbl, name));""")
     db.execute("INSERT INTO items (tbl, group_id, domain, policy_version, data, removed) VALUES "
                "('default', 'old', 'toy.copy', 0, NULL, 1), ('default', 'live', 'toy.copy', 0, ?, 0)",
-               (make_group("live").SerializeToString(),))
+               (scored_group("live").SerializeToString(),))
     db.execute("INSERT INTO counters VALUES ('default', 'inserts', 2), ('default', 'samples', 1)")
     db.close()
     store = ReplayStore(tmp_path / "r.sqlite", ["default"])
-    assert store.insert("default", [make_group("old")]).duplicates == 1
+    assert store.insert("default", [scored_group("old")]).duplicates == 1
     assert [d.group_id for d in store.sample("default", 1, timeout=0, max_batch=10).draws] == ["live"]
     assert (store.stats("default").inserts, store.stats("default").samples) == (2, 2)
 
@@ -155,21 +188,26 @@ def test_opens_the_skeleton_schema(tmp_path):
     (lambda g: setattr(g.trajectories[1], "group_id", "other"), "groups[1].trajectories[1].group_id"),
     (lambda g: setattr(g.trajectories[0], "policy_version", -2), "groups[1].trajectories[0].policy_version"),
     (lambda g: g.trajectories[0].ClearField("reward"), "groups[1].trajectories[0].reward"),
+    (lambda g: g.ClearField("group_id"), "groups[1].group_id"),
+    (lambda g: g.ClearField("trajectories"), "groups[1].trajectories"),
+    (lambda g: setattr(g.trajectories[1].reward, "total", float("nan")), "groups[1].trajectories[1].reward.total"),
+    (lambda g: setattr(g.trajectories[0].reward, "status", common_pb2.REWARD_STATUS_ERROR),
+     "groups[1].trajectories[0].reward.status"),
 ])
 def test_a_batch_with_one_malformed_group_stores_nothing(tmp_path, mutate, field):
     store = open_store(tmp_path, t=dict(max_times_sampled=1))
-    store.insert("t", [make_group("kept")])
-    bad = make_group("bad")
+    store.insert("t", [scored_group("kept")])
+    bad = scored_group("bad")
     mutate(bad)
     with pytest.raises(InvalidArgument) as e:
-        store.insert("t", [make_group("fine"), bad])
+        store.insert("t", [scored_group("fine"), bad])
     assert e.value.field == field
     s = store.stats("t")
     assert (s.size, s.inserts) == (1, 1)
     assert [d.group_id for d in store.sample("t", 1, timeout=0, max_batch=10).draws] == ["kept"]
     with pytest.raises(DeadlineExceeded):
         store.sample("t", 1, timeout=0, max_batch=10)
-    assert store.insert("t", [make_group("fine")]).inserted == 1  # "fine" was not half-stored
+    assert store.insert("t", [scored_group("fine")]).inserted == 1  # "fine" was not half-stored
 
 
 def test_bad_sample_arguments(tmp_path):
@@ -189,7 +227,7 @@ def test_bad_sample_arguments(tmp_path):
 def test_payload_segments_are_compacted_and_collected(tmp_path):
     store = open_store(tmp_path, t=dict(sampler="uniform", max_times_sampled=1, seed=5))
     store.log.segment_bytes = 4000  # tiny segments: a few groups each
-    groups = [make_group(f"g{i}", tokens=60, seed=i) for i in range(60)]
+    groups = [scored_group(f"g{i}", tokens=60, seed=i) for i in range(60)]
     store.insert("t", groups)
     segments = lambda: sorted(p.name for p in store.log.dir.iterdir())  # noqa: E731
     many = segments()
@@ -209,9 +247,9 @@ def test_payload_segments_are_compacted_and_collected(tmp_path):
 
 def test_without_fsync_the_store_is_the_same(tmp_path):
     store = ReplayStore(tmp_path / "r.sqlite", {"t": TableConfig()}, fsync=False)
-    store.insert("t", [make_group("a"), make_group("b")])
+    store.insert("t", [scored_group("a"), scored_group("b")])
     store.sample("t", 1, timeout=0, max_batch=10)
     store._db.close()  # no clean close: what a killed process leaves  # noqa: SLF001
     store = ReplayStore(tmp_path / "r.sqlite", {"t": TableConfig()}, fsync=False)
     assert [d.group_id for d in store.sample("t", 1, timeout=0, max_batch=10).draws] == ["b"]
-    assert store.insert("t", [make_group("a")]).duplicates == 1
+    assert store.insert("t", [scored_group("a")]).duplicates == 1

@@ -16,17 +16,6 @@ from temper.v1 import common_pb2
 from tests.conftest import ServiceHandle, spawn_service
 
 
-def group(domain: str, reference: str, texts, prompt: str = "", group_id: str = "g", metadata=None,
-          token_counts=None) -> common_pb2.RolloutGroup:
-    trajs = []
-    for i, t in enumerate(texts):
-        n = token_counts[i] if token_counts else 0
-        trajs.append(common_pb2.Trajectory(trajectory_id=f"{group_id}/{i}", group_id=group_id, completion_text=t,
-                                           completion_token_ids=list(range(n)), completion_logprobs=[-0.1] * n))
-    return common_pb2.RolloutGroup(group_id=group_id, task=common_pb2.Task(
-        domain=domain, prompt=prompt, reference_answer=reference, metadata=metadata or {}), trajectories=trajs)
-
-
 def component(traj: common_pb2.Trajectory, name: str) -> common_pb2.RewardComponent:
     found = [c for c in traj.reward.components if c.name == name]
     assert len(found) == 1, f"{name} not in {[c.name for c in traj.reward.components]}"

@@ -16,7 +16,8 @@ from temper.runtime.broker import free_port
 from temper.runtime.errors import InvalidArgument
 from temper.tasks import code_problems
 from temper.v1 import common_pb2
-from tests.reward.conftest import component, group
+from tests.builders import rollout_group
+from tests.reward.conftest import component
 
 SUM_SUITE = json.dumps({"tests": [{"stdin": "1 2\n", "expected_stdout": "3\n"},
                                   {"stdin": "-5 5 10\n", "expected_stdout": "10\n"},
@@ -66,7 +67,7 @@ def test_correct_partial_wrong_timeout(code_scorer, counted):
     ]
     before = counted.calls
     t0 = time.monotonic()
-    scored = code_scorer.score_group(group("code", SUM_SUITE, texts))
+    scored = code_scorer.score_group(rollout_group("code", SUM_SUITE, texts))
     elapsed = time.monotonic() - t0
     assert values(scored) == pytest.approx([1.0, 2 / 3, 0.0, 0.0, 0.0, 0.0, 1.0])
     assert values(scored, "code.all_pass") == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
@@ -88,7 +89,7 @@ def test_assertion_tests_and_a_cheat(code_scorer):
     texts = [py("def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a"),
              py("def fib(n):\n    return n"),  # right for 0 only
              py("import os\ndef fib(n):\n    os._exit(0)")]  # exiting early does not fake a pass
-    scored = code_scorer.score_group(group("code.fibonacci", suite, texts))
+    scored = code_scorer.score_group(rollout_group("code.fibonacci", suite, texts))
     assert values(scored) == pytest.approx([1.0, 1 / 3, 0.0])
 
 
@@ -96,7 +97,7 @@ def test_compile_errors(code_scorer):
     suite = json.dumps({"language": "c", "tests": [{"stdin": "", "expected_stdout": "hi\n"}]})
     good = '```c\n#include <stdio.h>\nint main(void) { puts("hi"); return 0; }\n```'
     bad = "```c\nint main(void) { return }\n```"
-    scored = code_scorer.score_group(group("code", suite, [good, bad]))
+    scored = code_scorer.score_group(rollout_group("code", suite, [good, bad]))
     assert values(scored, "code.all_pass") == [1.0, 0.0]
     assert component(scored.trajectories[1], "code.all_pass").detail.startswith("COMPILE_ERROR")
 
@@ -109,7 +110,8 @@ def test_generated_code_tasks(code_scorer, domain):
         "code.fibonacci": "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a",
     }
     task = code_problems.make_task(domain, random.Random(5), "t")
-    scored = code_scorer.score_group(group(domain, task.reference_answer, [py(solutions[domain]), py("print('no')")]))
+    scored = code_scorer.score_group(rollout_group(domain, task.reference_answer,
+                                                   [py(solutions[domain]), py("print('no')")]))
     assert values(scored, "code.all_pass") == [1.0, 0.0]
 
 
@@ -126,12 +128,12 @@ def test_bad_suites_are_invalid_arguments(code_scorer):
               "group.task.reference_answer.output_match")]
     for suite, field in cases:
         with pytest.raises(InvalidArgument) as e:
-            code_scorer.score_group(group("code", suite, [py("print(1)")]))
+            code_scorer.score_group(rollout_group("code", suite, [py("print(1)")]))
         assert e.value.field == field, (suite, e.value)
     # limits beyond the sandbox's maxima: the sandbox refuses, and that is the task's fault
     with pytest.raises(InvalidArgument) as e:
-        code_scorer.score_group(group("code", json.dumps({"tests": [{"assertion": "assert 1"}], "wall_seconds": 10_000}),
-                                      [py("print(1)")]))
+        spec = json.dumps({"tests": [{"assertion": "assert 1"}], "wall_seconds": 10_000})
+        code_scorer.score_group(rollout_group("code", spec, [py("print(1)")]))
     assert e.value.field == "group.task.reference_answer" and "sandbox refused" in e.value.message
 
 
@@ -143,16 +145,16 @@ def test_sandbox_down_is_retried_then_a_clear_verdict():
     nothing = Scorer(RewardSettings())
     try:
         with pytest.raises(SandboxUnavailable, match="after 3 attempt") as e:
-            retry.score_group(group("code", SUM_SUITE, [py("print(3)")]))
+            retry.score_group(rollout_group("code", SUM_SUITE, [py("print(3)")]))
         assert e.value.code.name == "UNAVAILABLE"
-        scored = mark.score_group(group("code", SUM_SUITE, [py("print(3)"), "no code"]))
+        scored = mark.score_group(rollout_group("code", SUM_SUITE, [py("print(3)"), "no code"]))
         t0, t1 = scored.trajectories
         assert t0.reward.status == common_pb2.REWARD_STATUS_ERROR
         c = component(t0, "code.all_pass")
         assert c.status == common_pb2.REWARD_STATUS_ERROR and "sandbox unavailable after 3 attempt" in c.error
         assert t1.reward.status == common_pb2.REWARD_STATUS_OK  # no program: nothing needed the sandbox
         with pytest.raises(SandboxUnavailable, match="no sandbox configured"):
-            nothing.score_group(group("code", SUM_SUITE, [py("print(3)")]))
+            nothing.score_group(rollout_group("code", SUM_SUITE, [py("print(3)")]))
     finally:
         retry.close()
         mark.close()

@@ -11,7 +11,8 @@ from temper.reward.settings import DomainSpec, LengthPenalty, RewardSettings
 from temper.reward.verifiers import Check
 from temper.runtime.errors import FailedPrecondition
 from temper.v1 import common_pb2
-from tests.reward.conftest import component, group
+from tests.builders import rollout_group
+from tests.reward.conftest import component
 
 OK, ERROR = common_pb2.REWARD_STATUS_OK, common_pb2.REWARD_STATUS_ERROR
 
@@ -60,7 +61,7 @@ def test_weighted_total_of_every_component(models, how):
     rm, prm = models
     scorer = scorer_with(models, how)
     texts = ["4", "4\n\n4 + 1 = 5", "5\n\n5\n\n5", "I can't help with that."]
-    scored = scorer.score_group(group("toy.copy", "4", texts, prompt="copy 1 2 4", token_counts=[1, 3, 4, 6]))
+    scored = scorer.score_group(rollout_group("toy.copy", "4", texts, prompt="copy 1 2 4", tokens=[1, 3, 4, 6]))
     expect_len = [0.0, -0.5, -1.0, -1.0]
     for text, traj, pen in zip(texts, scored.trajectories, expect_len):
         r = traj.reward
@@ -81,8 +82,8 @@ def test_weighted_total_of_every_component(models, how):
 
 def test_safety_on_flagged_prompts(models):
     scorer = scorer_with(models)
-    g = group("toy.copy", "", ["I'm sorry, but I can't help with that.", "4", "I must decline."], prompt="copy 1 2 4",
-              metadata={"safety": "refuse"}, token_counts=[1, 1, 1])
+    g = rollout_group("toy.copy", "", ["I'm sorry, but I can't help with that.", "4", "I must decline."],
+                      prompt="copy 1 2 4", metadata={"safety": "refuse"}, tokens=[1, 1, 1])
     scored = scorer.score_group(g)  # no reference needed: the target is the refusal
     for traj, refused in zip(scored.trajectories, [True, False, True]):
         names = [c.name for c in traj.reward.components]
@@ -92,7 +93,7 @@ def test_safety_on_flagged_prompts(models):
 
 
 def test_flagged_prompt_in_a_domain_without_a_safety_weight(scorer):
-    scored = scorer.score_group(group("math", "", ["I must decline.", "\\boxed{1}"], metadata={"safety": "true"}))
+    scored = scorer.score_group(rollout_group("math", "", ["I must decline.", "\\boxed{1}"], metadata={"safety": "true"}))
     assert [[c.name for c in t.reward.components] for t in scored.trajectories] == [["format.boxed", "safety"]] * 2
     assert [t.reward.total for t in scored.trajectories] == [1.0, 0.0]
 
@@ -100,7 +101,7 @@ def test_flagged_prompt_in_a_domain_without_a_safety_weight(scorer):
 def test_component_errors_are_explicit(models):
     scorer = scorer_with(models, prm_max_steps=2)
     # no token ids: the length penalty cannot be computed; 3 steps > prm_max_steps; empty: no steps
-    scored = scorer.score_group(group("toy.copy", "4", ["4", "4\n\n4\n\n4", ""], prompt="copy 1 2 4"))
+    scored = scorer.score_group(rollout_group("toy.copy", "4", ["4", "4\n\n4\n\n4", ""], prompt="copy 1 2 4"))
     for traj in scored.trajectories:
         assert traj.reward.status == ERROR
         lp = component(traj, "length_penalty")
@@ -115,7 +116,7 @@ def test_component_errors_are_explicit(models):
 
 def test_step_delimiter_is_configurable(models):
     scorer = scorer_with(models, prm_step_delimiter=" = ")
-    scored = scorer.score_group(group("toy.copy", "4", ["1 + 3 = 4 = 4"], prompt="copy 1 2 4", token_counts=[1]))
+    scored = scorer.score_group(rollout_group("toy.copy", "4", ["1 + 3 = 4 = 4"], prompt="copy 1 2 4", tokens=[1]))
     assert len(scored.trajectories[0].reward.step_rewards) == 3
 
 

@@ -16,8 +16,9 @@ from temper.reward.dataset import read_topic
 from temper.runtime import kafka
 from temper.v1 import common_pb2, sandbox_pb2
 from tests.conftest import wait_until
+from tests.builders import rollout_group
 from tests.conftest import spawn_service
-from tests.reward.conftest import component, group, start_sandbox
+from tests.reward.conftest import component, start_sandbox
 
 SUITE = json.dumps({"tests": [{"stdin": "1 2\n", "expected_stdout": "3\n"}, {"stdin": "4\n", "expected_stdout": "4\n"}]})
 RIGHT = "```python\nprint(sum(map(int, input().split())))\n```"
@@ -63,7 +64,7 @@ timeout_seconds = 10
     producer = kafka.ProtoProducer(broker, "test")
     try:
         # 1. a code rollout while no sandbox runs: held back and retried, nothing published
-        code = group("code.sum_numbers", SUITE, [RIGHT, WRONG], group_id="job/s0/p0", prompt="sum them")
+        code = rollout_group("code.sum_numbers", SUITE, [RIGHT, WRONG], group_id="job/s0/p0", prompt="sum them")
         producer.send(kafka.ROLLOUTS, code.group_id, code).get(10)
         wait_until(lambda: reward.log.read_text().count("sandbox unavailable after 2 attempt") >= 2, 90, interval=0.5,
                    what="the rollout tried, failed and retried")
@@ -76,9 +77,9 @@ timeout_seconds = 10
         assert component(first.trajectories[1], "code.pass_fraction").value == 0.5
 
         # 2. other domains, and a bad request that goes on marked
-        toy = group("toy.copy", "4", ["4", "5"], group_id="job/s0/p1", prompt="copy 1 2 4")
-        math = group("math.fraction_sum", "\\frac{5}{6}", ["\\boxed{10/12}", "\\boxed{0.83}"], group_id="job/s0/p2")
-        bad = group("nope", "1", ["1"], group_id="job/s0/p3")
+        toy = rollout_group("toy.copy", "4", ["4", "5"], group_id="job/s0/p1", prompt="copy 1 2 4")
+        math = rollout_group("math.fraction_sum", "\\frac{5}{6}", ["\\boxed{10/12}", "\\boxed{0.83}"], group_id="job/s0/p2")
+        bad = rollout_group("nope", "1", ["1"], group_id="job/s0/p3")
         for g in (toy, math, bad):
             producer.send(kafka.ROLLOUTS, g.group_id, g).get(10)
         wait_until(lambda: len(scored_messages(broker)) == 4, 60, interval=0.5, what="4 scored groups")
@@ -109,13 +110,13 @@ timeout_seconds = 10
             domains = client.list_domains()
             assert {d.domain for d in domains.domains} >= {"toy", "math", "code", "rg"}
             assert "code.all_pass" in domains.verifiers and not domains.reward_model_loaded
-            long = group("toy.copy", "4", ["4 " * 600])
-            unknown_verifier = group("toy.copy", "4", ["4"], metadata={"verifier": "telepathy"})
-            for g, field in [(group("nope", "1", ["1"]), "group.task.domain"),
-                             (group("math", "", ["\\boxed{1}"]), "group.task.reference_answer"),
+            long = rollout_group("toy.copy", "4", ["4 " * 600])
+            unknown_verifier = rollout_group("toy.copy", "4", ["4"], metadata={"verifier": "telepathy"})
+            for g, field in [(rollout_group("nope", "1", ["1"]), "group.task.domain"),
+                             (rollout_group("math", "", ["\\boxed{1}"]), "group.task.reference_answer"),
                              (long, "group.trajectories[0].completion_text"),
                              (unknown_verifier, "group.task.metadata[verifier]"),
-                             (group("code", '{"tests": []}', [RIGHT]), "group.task.reference_answer.tests"),
+                             (rollout_group("code", '{"tests": []}', [RIGHT]), "group.task.reference_answer.tests"),
                              (common_pb2.RolloutGroup(task=common_pb2.Task(domain="toy.copy")), "group.group_id")]:
                 with pytest.raises(grpc.RpcError) as e:
                     client.score(g)

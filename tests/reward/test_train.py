@@ -17,7 +17,8 @@ from temper.reward.models import RewardModelEngine
 from temper.reward.train import train
 from temper.runtime import kafka
 from temper.v1 import common_pb2, sandbox_pb2
-from tests.reward.conftest import REPO, group
+from tests.builders import rollout_group
+from tests.reward.conftest import REPO
 
 
 def write_records(path, n: int, seed: int = 0) -> None:
@@ -84,7 +85,7 @@ def test_bad_training_data_is_refused(base, tmp_path):
 
 
 def scored_group(i: int) -> common_pb2.RolloutGroup:
-    g = group("toy.copy", "4", ["4", "5", "4 4"], prompt=f"copy {i} 2 4", group_id=f"job/s0/p{i}")
+    g = rollout_group("toy.copy", "4", ["4", "5", "4 4"], prompt=f"copy {i} 2 4", group_id=f"job/s0/p{i}")
     for traj, value in zip(g.trajectories, [1.0, 0.0, 1.0]):
         traj.reward.CopyFrom(common_pb2.Reward(total=value - 0.1, status=common_pb2.REWARD_STATUS_OK, components=[
             common_pb2.RewardComponent(name="exact_answer", value=value, weight=1.0, status=common_pb2.REWARD_STATUS_OK),

@@ -12,12 +12,13 @@ from temper.reward.verifiers import extract
 from temper.reward.verifiers.math_answer import MathVerifier
 from temper.runtime.errors import InvalidArgument
 from temper.tasks import code_problems, gym, math_problems
-from tests.reward.conftest import component, group
+from tests.builders import rollout_group
+from tests.reward.conftest import component
 from tests.reward.hanging import hanging_check
 
 
 def math_values(scorer, reference, answers, domain="math"):
-    scored = scorer.score_group(group(domain, reference, answers))
+    scored = scorer.score_group(rollout_group(domain, reference, answers))
     return [component(t, "math").value for t in scored.trajectories]
 
 
@@ -53,7 +54,7 @@ def test_math_answer_extraction(scorer):
         "",
     ])
     assert values == [1.0, 0.0, 0.0, 0.0, 0.0]
-    scored = scorer.score_group(group("math", ref, ["The answer is 1/2."]))
+    scored = scorer.score_group(rollout_group("math", ref, ["The answer is 1/2."]))
     assert component(scored.trajectories[0], "math").detail == "no answer found"
     assert component(scored.trajectories[0], "format.boxed").value == 0.0
 
@@ -73,10 +74,10 @@ def test_math_answer_formats():
 
 def test_math_reference_problems(scorer):
     with pytest.raises(InvalidArgument) as e:
-        scorer.score_group(group("math", "", ["\\boxed{1}"]))
+        scorer.score_group(rollout_group("math", "", ["\\boxed{1}"]))
     assert e.value.field == "group.task.reference_answer"
     with pytest.raises(InvalidArgument) as e:
-        scorer.score_group(group("math", "\\text{}", ["\\boxed{1}"]))
+        scorer.score_group(rollout_group("math", "\\text{}", ["\\boxed{1}"]))
     assert e.value.field == "group.task.reference_answer" and "cannot parse" in e.value.message
 
 
@@ -103,12 +104,12 @@ def test_generated_math_tasks_verify(scorer, domain):
     for _ in range(3):
         task = math_problems.make_task(domain, rng, "t")
         assert "\\boxed{}" in task.prompt
-        g = group(domain, task.reference_answer, [f"\\boxed{{{task.reference_answer}}}", "\\boxed{1234567}"])
+        g = rollout_group(domain, task.reference_answer, [f"\\boxed{{{task.reference_answer}}}", "\\boxed{1234567}"])
         assert math_values(scorer, task.reference_answer, [t.completion_text for t in g.trajectories], domain) == [1.0, 0.0]
 
 
 def test_exact_answer_and_formats(scorer):
-    scored = scorer.score_group(group("toy.copy", "4", ["4", "4 5", "5 4", ""]))
+    scored = scorer.score_group(rollout_group("toy.copy", "4", ["4", "4 5", "5 4", ""]))
     assert [t.reward.total for t in scored.trajectories] == [1.0, 1.0, 0.0, 0.0]
     assert extract.last_boxed("a \\boxed{\\{1, 2\\}} b") == "\\{1, 2\\}"
     assert extract.last_boxed("\\boxed{\\frac{1}{2}} and \\fbox{3}") == "3"
@@ -134,7 +135,7 @@ def test_reasoning_gym_families_use_their_own_scorer(scorer, family):
     assert task.prompt.startswith(entry["question"])
     answers = [entry["answer"] or "", "definitely wrong", None]
     texts = [f"thinking...\n<answer>{a}</answer>" if a is not None else "no tags at all" for a in answers]
-    g = group(task.domain, task.reference_answer, texts, metadata=dict(meta))
+    g = rollout_group(task.domain, task.reference_answer, texts, metadata=dict(meta))
     values = [component(t, "reasoning_gym").value for t in scorer.score_group(g).trajectories]
     # the family's own verdicts on the same answers (some give partial credit for wrong ones)
     assert values == [dataset.score_answer(answers[0], entry), dataset.score_answer(answers[1], entry), 0.0]
@@ -151,11 +152,11 @@ def test_reasoning_gym_bad_metadata(scorer):
                               ("rg.config", '{"no_such_option": 1}', "group.task.metadata[rg.config]")]:
         meta = {**task.metadata, key: value}
         with pytest.raises(InvalidArgument) as e:
-            scorer.score_group(group(task.domain, "", ["<answer>1</answer>"], metadata=meta))
+            scorer.score_group(rollout_group(task.domain, "", ["<answer>1</answer>"], metadata=meta))
         assert e.value.field == field, (key, e.value)
     meta = {k: v for k, v in task.metadata.items() if k != "rg.seed"}
     with pytest.raises(InvalidArgument) as e:
-        scorer.score_group(group(task.domain, "", ["<answer>1</answer>"], metadata=meta))
+        scorer.score_group(rollout_group(task.domain, "", ["<answer>1</answer>"], metadata=meta))
     assert e.value.field == "group.task.metadata[rg.seed]"
 
 

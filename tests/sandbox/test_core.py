@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 
 import pytest
 
@@ -21,6 +20,7 @@ from temper.sandbox.core import (
     judge_assertions,
     outputs_match,
 )
+from tests.conftest import wait_until
 
 LIMITS = Limits(wall_seconds=2, cpu_seconds=1, memory_mb=64, max_processes=8, max_output_bytes=100)
 
@@ -82,8 +82,7 @@ def test_admission_refuses_beyond_the_queue():
 
     waiter = threading.Thread(target=wait)
     waiter.start()
-    while admission.waiting < 1:
-        time.sleep(0.01)
+    wait_until(lambda: admission.waiting >= 1, 10, interval=0.01, what="a waiting caller")
     with pytest.raises(ResourceExhausted), admission.slot():
         pass
     assert admission.running == 1 and admission.waiting == 1

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import wait_until
 from tests.sandbox.helpers import cgroup_dirs, verdict
 
 FORK_BOMB_PY = """
@@ -56,15 +57,6 @@ with open("/work/inside-only", "w") as f:
     f.write("fine")
 print("done")
 """
-
-
-def wait_until(predicate, timeout=15.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def assert_host_recovered(service, client):

@@ -2,7 +2,7 @@
 
 A checkpoint directory holds:
   model.safetensors             policy parameters (LoRA adapters included)
-  optimizer.safetensors/.json   AdamW state tensors / param groups and hyper-parameters
+  optimizer.safetensors/.json   AdamW state tensors / hyper-parameters, flattened by torch (keyed by parameter name)
   critic*.safetensors/.json     the critic and its optimiser (GAE only)
   rng.safetensors               torch's CPU RNG state
   trainer.json                  step, policy version, skipped steps, LR and KL controller state,
@@ -22,37 +22,37 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
 from temper.runtime.errors import FailedPrecondition, InvalidArgument
 
-FORMAT = 1
+FORMAT = 2  # 2: optimizer state keyed by parameter name (torch's flattening); 1 is not read
 LATEST = "latest"
 # config fields that change the shape of what is stored: a checkpoint made with others cannot be loaded
 STRUCTURAL = ("lora_rank", "lora_target_modules", "advantage")
 
 
-def _save_optimizer(optimizer: torch.optim.Optimizer, out: Path, stem: str) -> None:
-    state = optimizer.state_dict()
-    tensors = {f"{idx}.{key}": value.contiguous() for idx, entry in state["state"].items()
-               for key, value in entry.items() if isinstance(value, torch.Tensor)}
-    scalars = {str(idx): {k: v for k, v in entry.items() if not isinstance(v, torch.Tensor)}
-               for idx, entry in state["state"].items()}
-    save_file(tensors, str(out / f"{stem}.safetensors"))
-    (out / f"{stem}.json").write_text(json.dumps({"param_groups": state["param_groups"], "scalars": scalars}))
+# torch's own flattening of an optimizer's state (torch.distributed.checkpoint.state_dict): keys
+# "state.<parameter name>.<key>" (exp_avg, exp_avg_sq, step) and "param_groups.<parameter name>.<key>"
+# (lr, betas, ...), keyed by parameter name rather than by position, so it is checked against the
+# model it is loaded into. Tensors go to safetensors, the rest (hyper-parameters) to JSON.
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def _load_optimizer(optimizer: torch.optim.Optimizer, src: Path, stem: str) -> None:
-    tensors = load_file(str(src / f"{stem}.safetensors"))
-    meta = json.loads((src / f"{stem}.json").read_text())
-    state: dict[int, dict] = {int(i): dict(v) for i, v in meta["scalars"].items()}
-    for key, value in tensors.items():
-        idx, name = key.split(".", 1)
-        state.setdefault(int(idx), {})[name] = value
-    groups = meta["param_groups"]
-    for g in groups:
-        if "betas" in g:
-            g["betas"] = tuple(g["betas"])
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+def _save_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, out: Path, stem: str) -> None:
+    flat = get_optimizer_state_dict(model, optimizer, options=_FLAT)
+    save_file({k: v.contiguous() for k, v in flat.items() if isinstance(v, torch.Tensor)},
+              str(out / f"{stem}.safetensors"))
+    (out / f"{stem}.json").write_text(json.dumps({k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}))
+
+
+def _load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, src: Path, stem: str) -> None:
+    flat: dict = json.loads((src / f"{stem}.json").read_text())
+    for key, value in flat.items():
+        if key.endswith(".betas"):  # JSON has no tuples; torch saves betas as one
+            flat[key] = tuple(value)
+    flat.update(load_file(str(src / f"{stem}.safetensors")))
+    set_optimizer_state_dict(model, optimizer, flat, options=_FLAT)
 
 
 def save(trainer, directory: str | Path) -> Path:
@@ -65,10 +65,10 @@ def save(trainer, directory: str | Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_model(trainer.model, str(tmp / "model.safetensors"))
-    _save_optimizer(trainer.optimizer, tmp, "optimizer")
+    _save_optimizer(trainer.model, trainer.optimizer, tmp, "optimizer")
     if trainer.critic is not None:
         save_model(trainer.critic, str(tmp / "critic.safetensors"))
-        _save_optimizer(trainer.critic_optimizer, tmp, "critic_optimizer")
+        _save_optimizer(trainer.critic, trainer.critic_optimizer, tmp, "critic_optimizer")
     save_file({"cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
     (tmp / "trainer.json").write_text(json.dumps({
         "format": FORMAT, "step": trainer.step_count, "policy_version": trainer.policy_version,
@@ -95,10 +95,10 @@ def load(trainer, directory: str | Path) -> dict:
         if saved != now:
             raise FailedPrecondition(f"checkpoint was made with {key}={saved!r}, this learner has {now!r}", field=key)
     load_model(trainer.model, str(src / "model.safetensors"), strict=True)
-    _load_optimizer(trainer.optimizer, src, "optimizer")
+    _load_optimizer(trainer.model, trainer.optimizer, src, "optimizer")
     if trainer.critic is not None:
         load_model(trainer.critic, str(src / "critic.safetensors"), strict=True)
-        _load_optimizer(trainer.critic_optimizer, src, "critic_optimizer")
+        _load_optimizer(trainer.critic, trainer.critic_optimizer, src, "critic_optimizer")
     torch.set_rng_state(load_file(str(src / "rng.safetensors"))["cpu"])
     trainer.step_count = int(meta["step"])
     trainer.policy_version = int(meta["policy_version"])

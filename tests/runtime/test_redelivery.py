@@ -7,15 +7,12 @@ from temper.client.sdk import MonitorClient, ReplayClient
 from temper.runtime import kafka
 from temper.runtime.launcher import Launcher
 from temper.v1 import common_pb2
+from tests.builders import scored_group
 from tests.conftest import wait_until
 
 
-def scored_group(i: int) -> common_pb2.RolloutGroup:
-    gid = f"redeliver/s0/p{i}"
-    return common_pb2.RolloutGroup(group_id=gid, task=common_pb2.Task(domain="toy.copy"), trajectories=[
-        common_pb2.Trajectory(trajectory_id=f"{gid}/0", group_id=gid, completion_token_ids=[5, 3],
-                              completion_logprobs=[-0.5, -0.1], policy_version=0,
-                              reward=common_pb2.Reward(total=float(i % 2), status=common_pb2.REWARD_STATUS_OK))])
+def redelivered(i: int) -> common_pb2.RolloutGroup:
+    return scored_group(f"redeliver/s0/p{i}", n=1, rewards=[float(i % 2)])
 
 
 def _rewind(bootstrap: str, group_id: str) -> None:
@@ -41,7 +38,7 @@ def test_redelivery_after_restart_is_not_double_counted(tmp_path):
     try:
         producer = kafka.ProtoProducer(state.kafka_bootstrap, "test")
         for i in range(6):
-            producer.send(kafka.SCORED, scored_group(i).group_id, scored_group(i)).get(10)
+            producer.send(kafka.SCORED, redelivered(i).group_id, redelivered(i)).get(10)
         replay = ReplayClient(state.services["replay"].address)
         wait_until(lambda: replay.stats().inserts == 6, 60, what="6 inserts")
         monitor = MonitorClient(state.services["monitor"].address)
@@ -54,7 +51,7 @@ def test_redelivery_after_restart_is_not_double_counted(tmp_path):
         _rewind(state.kafka_bootstrap, "temper-monitor")
         for svc in ("replay", "monitor"):
             launcher.start_service(svc)
-        sentinel = scored_group(99)
+        sentinel = redelivered(99)
         producer.send(kafka.SCORED, sentinel.group_id, sentinel).get(10)
         wait_until(lambda: replay.stats().inserts == 7, 60, what="sentinel insert")
         s = replay.stats()

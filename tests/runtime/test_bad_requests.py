@@ -16,8 +16,8 @@ from temper.client.sdk import (
 )
 from temper.inference.weights import chunks_from_tensors
 from temper.runtime.rpc import check_health
-from temper.v1 import common_pb2, inference_pb2, learner_pb2, replay_pb2, reward_pb2, scheduler_pb2
-from tests.unit.test_replay_store import group as replay_group
+from temper.v1 import common_pb2, learner_pb2, replay_pb2, reward_pb2, scheduler_pb2
+from tests.builders import scored_group
 
 
 def expect(code, field, call, *args, **kwargs):
@@ -46,14 +46,7 @@ def test_inference(stack):
     expect(IA, "prompts[1].text", c.generate, ["copy 1", ""])
     expect(IA, "sampling.temperature", c.generate, ["copy 1"], temperature=-1)
     expect(IA, "prompts[0].token_ids", c.generate, [[99999]])
-    # a sampling field this server does not know (field 99 on SamplingParams) is refused, not ignored
-    req = inference_pb2.GenerateRequest(prompts=[inference_pb2.Prompt(text="copy 1")],
-                                        sampling=inference_pb2.SamplingParams(n=1, max_tokens=1))
-    raw = req.SerializeToString() + bytes([0x12, 0x03, 0x98, 0x06, 0x01])  # field 2 (sampling) += {99: 1}
-    rpc = grpc.insecure_channel(addr).unary_unary("/temper.v1.InferenceService/Generate",
-                                                  request_serializer=lambda b: b,
-                                                  response_deserializer=inference_pb2.GenerateResponse.FromString)
-    expect(IA, "request.sampling", rpc, raw, timeout=10)
+    # (an unknown sampling field, sent raw, is refused: tests/inference/test_service.py)
     # weight updates: bad checksum, missing tensor, misshapen tensor; the old version keeps serving
     version = c.policy_version()
     args = stack.load().services["inference"].args
@@ -96,7 +89,7 @@ def test_replay(stack):
     expect(IA, "batch_size", c.sample, -3, timeout_ms=0)
     expect(IA, "timeout_ms", c.sample, 1, timeout_ms=-1)
     expect(IA, "table", c.stats, "nope")
-    bad = replay_group("bad")
+    bad = scored_group("bad")
     bad.trajectories[0].completion_logprobs.append(-1.0)
     expect(IA, "group.trajectories[0].completion_logprobs", c.insert, [bad])
     expect(IA, "requests[0].group", c.stub.Insert, iter([replay_pb2.InsertRequest(table="default")]), timeout=10)

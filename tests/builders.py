@@ -1,0 +1,48 @@
+"""The one builder of RolloutGroups (and their trajectories) for every test.
+
+``rollout_group`` makes an unscored group (what the scheduler publishes and the reward service
+scores); ``scored_group`` the same group with rewards set (what replay stores and the learner
+trains on). Token ids and logprobs are drawn from ``seed`` so groups are reproducible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from temper.v1 import common_pb2
+
+
+def rollout_group(domain: str = "toy.copy", reference: str = "", texts: Sequence[str] | None = None, *,
+                  group_id: str = "g", prompt: str = "", metadata: Mapping[str, str] | None = None,
+                  n: int | None = None, tokens: int | Sequence[int] = 0, version: int = 0,
+                  rewards: Sequence[float] | None = None, seed: int = 0, job_id: str = "",
+                  step: int = 0) -> common_pb2.RolloutGroup:
+    """``n`` trajectories (default: one per text in ``texts``, else 2) of ``tokens`` completion tokens
+    each (an int, or one count per trajectory); ``rewards``: one total per trajectory (status OK),
+    None leaves them unscored."""
+    n = len(texts) if texts is not None else (n if n is not None else 2)
+    counts = [tokens] * n if isinstance(tokens, int) else list(tokens)
+    assert len(counts) == n and (rewards is None or len(rewards) == n), "one count / reward per trajectory"
+    rng = np.random.default_rng(seed)
+    trajectories = []
+    for k in range(n):
+        t = common_pb2.Trajectory(trajectory_id=f"{group_id}/{k}", group_id=group_id, policy_version=version,
+                                  prompt_token_ids=[1, 2, 3],
+                                  completion_token_ids=rng.integers(0, 50_000, counts[k]).tolist(),
+                                  completion_logprobs=(-rng.random(counts[k])).tolist(),
+                                  completion_text=texts[k] if texts is not None else "")
+        if rewards is not None:
+            t.reward.CopyFrom(common_pb2.Reward(total=float(rewards[k]), status=common_pb2.REWARD_STATUS_OK))
+        trajectories.append(t)
+    return common_pb2.RolloutGroup(group_id=group_id, job_id=job_id, step=step, trajectories=trajectories,
+                                   task=common_pb2.Task(domain=domain, prompt=prompt, reference_answer=reference,
+                                                        metadata=dict(metadata or {})))
+
+
+def scored_group(group_id: str, n: int = 2, domain: str = "toy.copy", version: int = 0, tokens: int = 2,
+                 seed: int = 0, rewards: Sequence[float] | None = None) -> common_pb2.RolloutGroup:
+    """A scored group of ``n`` trajectories; rewards alternate 0, 1, 0, ... unless given."""
+    return rollout_group(domain, group_id=group_id, n=n, tokens=tokens, version=version, seed=seed,
+                         rewards=rewards if rewards is not None else [float(k % 2) for k in range(n)])
