@@ -186,21 +186,35 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.fast)
 
 
-@pytest.fixture(autouse=True)
-def _fast_starts_nothing(request, monkeypatch):
-    """A ``fast`` test that starts a process or a server fails, naming what it started."""
-    if request.node.get_closest_marker("fast") is None:
-        return
+def _refuse(what: str):
+    def refused(*args, **kwargs):
+        raise AssertionError(f"a test marked fast started {what}: mark its module slow "
+                             f"(or add its fixture to tests/conftest.py PROCESS_FIXTURES)")
+    return refused
 
-    def refuse(what):
-        def refused(*args, **kwargs):
-            raise AssertionError(f"a test marked fast started {what}: mark its module slow "
-                                 f"(or add its fixture to tests/conftest.py PROCESS_FIXTURES)")
-        return refused
 
-    monkeypatch.setattr(subprocess.Popen, "__init__", refuse("a subprocess"))
-    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse("a multiprocessing worker"))
-    monkeypatch.setattr(os, "fork", refuse("a fork"))
-    monkeypatch.setattr(os, "posix_spawn", refuse("a process"))
-    monkeypatch.setattr(grpc, "server", refuse("a gRPC server"))
-    monkeypatch.setattr(socket.socket, "listen", refuse("a listening socket"))
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    """While a ``fast`` test sets up (its fixtures of every scope) and runs, starting a process or a
+    server fails it, naming what it started. Teardown is not watched: a session fixture of another
+    test may be finalised there."""
+    if item.get_closest_marker("fast") is not None:
+        guard = item.stash[_GUARD] = pytest.MonkeyPatch()
+        guard.setattr(subprocess.Popen, "__init__", _refuse("a subprocess"))
+        guard.setattr(multiprocessing.process.BaseProcess, "start", _refuse("a multiprocessing worker"))
+        guard.setattr(os, "fork", _refuse("a fork"))
+        guard.setattr(os, "posix_spawn", _refuse("a process"))
+        guard.setattr(grpc, "server", _refuse("a gRPC server"))
+        guard.setattr(socket.socket, "listen", _refuse("a listening socket"))
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    guard = item.stash.get(_GUARD, None)
+    if guard is not None:
+        guard.undo()
+    yield
+
+
+_GUARD = pytest.StashKey[pytest.MonkeyPatch]()

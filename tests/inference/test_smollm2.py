@@ -17,6 +17,8 @@ from temper.models.smollm2 import DEFAULT_DIR, ensure_smollm2
 from tests.inference.conftest import make_engine
 from tests.inference.teacher import max_logprob_error, set_weights
 
+pytestmark = pytest.mark.slow  # the vLLM engine on SmolLM2 (g++ kernels; over a minute)
+
 MODEL_DIR = Path(__file__).resolve().parents[2] / DEFAULT_DIR
 
 

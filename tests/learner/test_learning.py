@@ -13,6 +13,8 @@ from temper.learner.trainer import Trainer, TrainerConfig
 from temper.models.tiny import build_tiny_model
 from tests.learner.toyloop import train
 
+pytestmark = pytest.mark.slow  # whole training runs (minutes): not unit level
+
 STEPS = 60
 K = 10  # steps averaged at each end
 

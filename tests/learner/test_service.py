@@ -32,6 +32,8 @@ from temper.inference.weights import chunks_from_tensors
 from temper.v1 import common_pb2
 from tests.conftest import holds_for, wait_until
 
+pytestmark = pytest.mark.slow  # starts a broker and services
+
 CONFIG = """
 [job]
 prompts_per_step = 4

@@ -6,6 +6,7 @@ import time
 from collections import Counter
 
 import grpc
+import pytest
 
 from temper.client.sdk import ReplayClient
 from temper.runtime import kafka
@@ -13,6 +14,8 @@ from temper.runtime.launcher import pid_alive
 from tests.conftest import wait_until
 from tests.builders import scored_group
 from tests.replay.util import start_replay
+
+pytestmark = pytest.mark.slow  # starts a broker and the replay service
 
 CONFIG = """
 [replay]

@@ -14,6 +14,8 @@ from tests.conftest import wait_until
 from tests.builders import scored_group
 from tests.replay.util import start_replay
 
+pytestmark = pytest.mark.slow  # starts a broker and the replay service
+
 CONFIG = """
 [replay]
 ingest_tables = ["default", "prio"]

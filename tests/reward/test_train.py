@@ -20,6 +20,8 @@ from temper.v1 import common_pb2, sandbox_pb2
 from tests.builders import rollout_group
 from tests.reward.conftest import REPO
 
+pytestmark = pytest.mark.slow  # runs the training entry point as a process
+
 
 def write_records(path, n: int, seed: int = 0) -> None:
     """Tiny data with a learnable rule: a completion digit below 5 is good, 5 and above bad."""

@@ -59,6 +59,7 @@ def test_math_answer_extraction(scorer):
     assert component(scored.trajectories[0], "format.boxed").value == 0.0
 
 
+@pytest.mark.slow  # its own math verifier: a pool of worker processes
 def test_math_answer_formats():
     tagged = Scorer(RewardSettings(math=MathOptions(answer_format="answer_tag")))
     auto = Scorer(RewardSettings(math=MathOptions(answer_format="auto")))
@@ -81,6 +82,7 @@ def test_math_reference_problems(scorer):
     assert e.value.field == "group.task.reference_answer" and "cannot parse" in e.value.message
 
 
+@pytest.mark.slow  # its own math verifier: a pool of worker processes
 def test_math_hung_worker_is_replaced_and_scores_zero():
     class Hanging(MathVerifier):
         check = staticmethod(hanging_check)

@@ -5,7 +5,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from temper.runtime.launcher import SERVICES, pid_alive
+
+pytestmark = pytest.mark.slow  # `temper up` starts every service
 
 TEMPER = [sys.executable, "-m", "temper.cli.main"]
 

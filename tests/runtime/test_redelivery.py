@@ -1,5 +1,6 @@
 """A message redelivered by Kafka after a consumer restart is not counted twice."""
 
+import pytest
 from kafka import KafkaConsumer
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
@@ -9,6 +10,8 @@ from temper.runtime.launcher import Launcher
 from temper.v1 import common_pb2
 from tests.builders import scored_group
 from tests.conftest import wait_until
+
+pytestmark = pytest.mark.slow  # starts a broker, replay and monitor
 
 
 def redelivered(i: int) -> common_pb2.RolloutGroup:

@@ -22,6 +22,8 @@ from temper.v1 import sandbox_pb2
 from tests.sandbox.helpers import REPO, assert_clean, cgroup_dirs, sandbox_pids, start_sandbox, verdict
 from tests.sandbox.helpers import client as sandbox_client
 
+pytestmark = pytest.mark.slow  # starts sandbox services
+
 OK_SOURCE = "print('ok')\n"
 
 
