@@ -11,6 +11,8 @@ import pytest
 
 from temper.sandbox.core import load_languages
 
+pytestmark = pytest.mark.slow  # runs the `temper` command as a process
+
 TEMPER = [sys.executable, "-m", "temper.cli.main"]
 
 
