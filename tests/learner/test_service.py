@@ -30,6 +30,7 @@ from temper.runtime.launcher import Launcher, pid_alive
 from temper.tasks import toy
 from temper.inference.weights import chunks_from_tensors
 from temper.v1 import common_pb2
+from tests.builders import rollout_group, trajectory
 from tests.conftest import holds_for, wait_until
 
 pytestmark = pytest.mark.slow  # starts a broker and services
@@ -187,15 +188,13 @@ def test_bad_batches_through_the_loop_are_skipped_counted_and_harmless(tmp_path)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
     def traj(reward=1.0, logprobs=(-1.0, -0.5)):
-        return common_pb2.Trajectory(prompt_token_ids=[2, 5, 6], completion_token_ids=[7, 3],
-                                     completion_logprobs=list(logprobs), sampling_temperature=1.0,
-                                     reward=common_pb2.Reward(total=reward, status=common_pb2.REWARD_STATUS_OK))
+        return trajectory(reward=reward, temperature=1.0, vocab=8, completion_logprobs=list(logprobs))
 
     bad = [
-        [common_pb2.RolloutGroup(group_id="a", trajectories=[traj(), traj(reward=float("nan"))])],
-        [common_pb2.RolloutGroup(group_id="b", trajectories=[traj(logprobs=(-1.0,))])],
-        [common_pb2.RolloutGroup(group_id="c", trajectories=[traj(logprobs=(-1.0, float("inf")))])],
-        [common_pb2.RolloutGroup(group_id="d", trajectories=[traj()]), common_pb2.RolloutGroup(group_id="e")],
+        [rollout_group(group_id="a", trajectories=[traj(), traj(reward=float("nan"))])],
+        [rollout_group(group_id="b", trajectories=[traj(logprobs=(-1.0,))])],
+        [rollout_group(group_id="c", trajectories=[traj(logprobs=(-1.0, float("inf")))])],
+        [rollout_group(group_id="d", trajectories=[traj()]), rollout_group(group_id="e", trajectories=[])],
         [],
     ]
     for groups in bad:
@@ -205,7 +204,7 @@ def test_bad_batches_through_the_loop_are_skipped_counted_and_harmless(tmp_path)
                                            "groups[].trajectories[].completion_logprobs": 2,
                                            "groups[].trajectories": 1, "groups": 1}
     assert all(torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
-    good = [common_pb2.RolloutGroup(group_id="f", job_id="j", trajectories=[traj(1.0), traj(0.0)])]
+    good = [rollout_group(group_id="f", job_id="j", trajectories=[traj(1.0), traj(0.0)])]
     metrics = loop.train_on(good)
     assert metrics.step == 1 and loop.state.step == 1
     path, step, version = loop.checkpoint()

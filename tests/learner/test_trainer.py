@@ -17,6 +17,7 @@ from temper.learner.trainer import Trainer, TrainerConfig
 from temper.models.tiny import build_tiny_model
 from temper.runtime.errors import InvalidArgument
 from temper.v1 import common_pb2
+from tests.builders import rollout_group, trajectory
 from tests.learner.reference import plain_step
 from tests.learner.toyloop import generate_batch
 
@@ -140,13 +141,10 @@ def test_bad_batches_are_refused_naming_the_field_and_never_touch_the_weights(mo
 
 def test_bad_groups_are_refused_naming_the_field():
     def traj(**kw):
-        t = dict(prompt_token_ids=[2, 5], completion_token_ids=[6, 3], completion_logprobs=[-1.0, -0.5],
-                 reward=common_pb2.Reward(total=1.0, status=common_pb2.REWARD_STATUS_OK), sampling_temperature=1.0)
-        t.update(kw)
-        return common_pb2.Trajectory(**t)
+        return trajectory(**{"reward": 1.0, "temperature": 1.0, "vocab": 8, **kw})
 
     def group(*trajectories):
-        return common_pb2.RolloutGroup(group_id="g", trajectories=list(trajectories))
+        return rollout_group(trajectories=trajectories)
 
     assert len(batch_from_groups([group(traj(), traj())]).completions) == 2
     err = common_pb2.Reward(total=1.0, status=common_pb2.REWARD_STATUS_ERROR)
