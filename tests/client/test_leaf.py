@@ -4,6 +4,7 @@ installs and imports alone from its own declared dependencies."""
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,11 +42,14 @@ def test_the_sdk_imports_nothing_of_the_services():
 def test_the_client_package_installs_and_imports_alone(tmp_path):
     """``pip install ./clients`` into a fresh venv (its declared dependencies, from the machine's
     package index), then the SDK imports without torch."""
+    # a copy (pip builds in the source tree, leaving build/ behind); protos/ beside it, as in the repository
+    for folder in ("clients", "protos"):
+        shutil.copytree(REPO / folder, tmp_path / "src" / folder, ignore=shutil.ignore_patterns("build", "*.egg-info"))
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
-    pip = subprocess.run([str(py), "-m", "pip", "install", "-q", str(REPO / "clients")], capture_output=True,
-                         text=True, timeout=600)
+    pip = subprocess.run([str(py), "-m", "pip", "install", "-q", str(tmp_path / "src" / "clients")],
+                         capture_output=True, text=True, timeout=600)
     assert pip.returncode == 0, pip.stdout[-3000:] + pip.stderr[-3000:]
     check = subprocess.run([str(py), "-c", "import sys, temper.client.sdk, temper.v1.sandbox_pb2; "
                             "assert 'torch' not in sys.modules, 'torch imported'; print(temper.client.sdk.__file__)"],
