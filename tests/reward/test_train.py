@@ -18,7 +18,7 @@ from temper.reward.train import train
 from temper.runtime import kafka
 from temper.v1 import common_pb2, sandbox_pb2
 from tests.builders import rollout_group
-from tests.reward.conftest import REPO
+from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow  # runs the training entry point as a process
 

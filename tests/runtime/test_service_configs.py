@@ -25,6 +25,7 @@ def test_every_field_is_described_and_listed_by_help(service, capsys):
         assert info.description.split()[0] in out, name
 
 
+@pytest.mark.slow  # runs an entry point as a process
 def test_help_of_the_entry_point_exits_0():
     p = subprocess.run([sys.executable, "-m", "temper.monitor", "--help"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
@@ -40,6 +41,7 @@ def test_wiring_is_declared_by_the_configs():
     assert wiring(config_class("learner"))["groups_per_step"] == {"from_job": "prompts_per_step"}
 
 
+@pytest.mark.slow  # starts brokers
 def test_a_taken_broker_port_is_detected_and_another_picked(tmp_path, monkeypatch):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -8,10 +8,14 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from temper.client.sdk import MonitorClient
 from temper.runtime.rpc import check_health
 from temper.runtime.service import read_port_file
 from tests.conftest import wait_until
+
+pytestmark = pytest.mark.slow  # runs a service as a process
 
 PROBE = textwrap.dedent('''
     import json, sys, threading
