@@ -145,16 +145,40 @@ class SandboxClient(_Client):
         return self.stub.RunTests(req, timeout=self.timeout + len(cases) * (req.program.limits.wall_seconds or 10))
 
 
+INSERT_BATCH_BYTES = 1 << 20  # well under the servers' message limit, big enough to amortise a message's cost
+
+
+def _insert_requests(groups: list[common_pb2.RolloutGroup], table: str, priorities: Iterable[float | None] | None,
+                     batch_bytes: int) -> Iterable[replay_pb2.InsertRequest]:
+    prios = list(priorities) if priorities is not None else [None] * len(groups)
+    if len(prios) != len(groups):
+        raise ValueError(f"priorities: {len(prios)} for {len(groups)} groups")
+    given = [p is not None for p in prios]
+    if any(given) and not all(given):  # a batch carries priorities for all its groups or for none
+        yield from (replay_pb2.InsertRequest(table=table, group=g, priority=p) for g, p in zip(groups, prios))
+        return
+    batch, size = [], 0
+    for k, g in enumerate(groups):
+        batch.append(k)
+        size += g.ByteSize()
+        if size >= batch_bytes or k == len(groups) - 1:
+            yield replay_pb2.InsertRequest(table=table, groups=[groups[j] for j in batch],
+                                           priorities=[prios[j] for j in batch] if all(given) else [])
+            batch, size = [], 0
+
+
 class ReplayClient(_Client):
     stub_class = replay_pb2_grpc.ReplayServiceStub
 
     def insert(self, groups: Iterable[common_pb2.RolloutGroup], table: str = "default",
-               priorities: Iterable[float] | None = None) -> replay_pb2.InsertResponse:
-        """Stream ``groups`` into ``table``; answered once all are durable (or the rate limiter's wait ran out)."""
-        groups = list(groups)
-        prios = list(priorities) if priorities is not None else [None] * len(groups)
-        return self.stub.Insert((replay_pb2.InsertRequest(table=table, group=g, priority=p) for g, p in zip(groups, prios)),
-                                timeout=self.timeout)
+               priorities: Iterable[float | None] | None = None,
+               batch_bytes: int = INSERT_BATCH_BYTES) -> replay_pb2.InsertResponse:
+        """Stream ``groups`` into ``table``; answered once all are durable (or the rate limiter's wait ran out).
+
+        Groups travel in batch messages of about ``batch_bytes`` (far cheaper per group than a
+        message each); a group with a priority of its own travels alone (``priority`` is per message).
+        """
+        return self.stub.Insert(_insert_requests(list(groups), table, priorities, batch_bytes), timeout=self.timeout)
 
     def sample_batch(self, batch_size: int, table: str = "default", timeout_ms: int = 10_000,
                      current_policy_version: int | None = None,
@@ -167,6 +191,7 @@ class ReplayClient(_Client):
 
     def sample(self, batch_size: int, table: str = "default", timeout_ms: int = 10_000,
                current_policy_version: int | None = None) -> list[common_pb2.RolloutGroup]:
+        """The groups only (their SampleInfo dropped): use ``sample_batch`` for prioritized tables."""
         return list(self.sample_batch(batch_size, table, timeout_ms, current_policy_version).groups)
 
     def update_priorities(self, priorities: dict[str, float], table: str = "default"

@@ -40,26 +40,35 @@ def _read_varint(data: bytes, i: int) -> tuple[int, int]:
         shift += 7
 
 
-def decode_insert_request(data: bytes) -> tuple[replay_pb2.InsertRequest, memoryview | None]:
-    """The parsed request and the ``group`` field's bytes as sent (None if the field is absent or
-    repeated, which protobuf merges: then the parsed group is serialized instead)."""
+def decode_insert_request(data: bytes) -> tuple[replay_pb2.InsertRequest, memoryview | None, list[bytes] | None]:
+    """The parsed request, the ``group`` field's bytes as sent, and each ``groups`` entry's bytes
+    as sent (None where protobuf would merge repeated occurrences of ``group``, or the wire has
+    deprecated groups: then the parsed messages are serialized instead).
+
+    ``groups`` entries are copied out (one memcpy each) so a stored group does not keep its
+    whole batch message alive; a single ``group`` is its request's bytes, kept without a copy.
+    """
     request = replay_pb2.InsertRequest.FromString(data)  # validates the wire format
-    raw, seen, i = None, 0, 0
+    view = memoryview(data)
+    raw, seen, batch, i = None, 0, [], 0
     while i < len(data):
         key, i = _read_varint(data, i)
         wire = key & 7
         if wire == 2:
             length, i = _read_varint(data, i)
-            if key >> 3 == 2:
-                raw, seen = memoryview(data)[i:i + length], seen + 1  # no copy: the request's bytes
+            field = key >> 3
+            if field == 2:
+                raw, seen = view[i:i + length], seen + 1  # no copy: the request's bytes
+            elif field == 4:
+                batch.append(bytes(view[i:i + length]))
             i += length
         elif wire == 0:
             _, i = _read_varint(data, i)
         elif wire in (1, 5):
             i += 8 if wire == 1 else 4
         else:  # groups (deprecated wire types): leave it to the parsed message
-            return request, None
-    return request, raw if seen == 1 else None
+            return request, None, None
+    return request, raw if seen == 1 else None, batch if len(batch) == len(request.groups) else None
 
 
 def encode_sample_response(result: SampleResult) -> bytes:
@@ -88,15 +97,23 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
 
     def Insert(self, request_iterator, context):
         by_table: dict[str, tuple[list, list, list, list]] = {}
-        for i, (req, raw) in enumerate(request_iterator):
-            require(req.HasField("group"), f"requests[{i}].group", "required")
+        for i, (req, raw, batch) in enumerate(request_iterator):
+            require(req.HasField("group") or len(req.groups) > 0, f"requests[{i}].group", "required (or groups)")
             require(req.table in self.store.tables, f"requests[{i}].table",
                     f"unknown table {req.table!r}; known: {sorted(self.store.tables)}")
+            require(not req.priorities or len(req.priorities) == len(req.groups), f"requests[{i}].priorities",
+                    f"{len(req.priorities)} priorities for {len(req.groups)} groups (give none or one each)")
             groups, priorities, fields, payloads = by_table.setdefault(req.table, ([], [], [], []))
-            groups.append(req.group)
-            priorities.append(req.priority if req.HasField("priority") else None)
-            fields.append(f"requests[{i}].group")
-            payloads.append(raw)
+            if req.HasField("group"):
+                groups.append(req.group)
+                priorities.append(req.priority if req.HasField("priority") else None)
+                fields.append(f"requests[{i}].group")
+                payloads.append(raw)
+            n = len(req.groups)
+            groups.extend(req.groups)
+            priorities.extend(req.priorities or [None] * n)
+            fields.extend(f"requests[{i}].groups[{j}]" for j in range(n))
+            payloads.extend(batch or [None] * n)
         # every group of every table is validated before anything is stored
         prepared = {table: self.store.prepare(*args) for table, args in by_table.items()}
         timeout = self._timeout(context, self.insert_timeout_ms)
