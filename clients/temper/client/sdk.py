@@ -148,27 +148,50 @@ class SandboxClient(_Client):
 INSERT_BATCH_BYTES = 1 << 20  # well under the servers' message limit, big enough to amortise a message's cost
 
 
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
 def _insert_requests(groups: list[common_pb2.RolloutGroup], table: str, priorities: Iterable[float | None] | None,
-                     batch_bytes: int) -> Iterable[replay_pb2.InsertRequest]:
+                     batch_bytes: int) -> Iterable[bytes]:
+    """Serialized InsertRequests of about ``batch_bytes``. Each group is serialized once and framed
+    as an entry of ``groups`` (field 4) by hand: building an InsertRequest message would deep-copy
+    every group first, which costs more than serializing it."""
     prios = list(priorities) if priorities is not None else [None] * len(groups)
     if len(prios) != len(groups):
         raise ValueError(f"priorities: {len(prios)} for {len(groups)} groups")
     given = [p is not None for p in prios]
     if any(given) and not all(given):  # a batch carries priorities for all its groups or for none
-        yield from (replay_pb2.InsertRequest(table=table, group=g, priority=p) for g, p in zip(groups, prios))
+        for g, p in zip(groups, prios):
+            yield replay_pb2.InsertRequest(table=table, group=g, priority=p).SerializeToString()
         return
-    batch, size = [], 0
+    head = replay_pb2.InsertRequest(table=table).SerializeToString()
+    parts, first, size = [head], 0, 0
     for k, g in enumerate(groups):
-        batch.append(k)
-        size += g.ByteSize()
+        data = g.SerializeToString()
+        parts += (b"\x22", _varint(len(data)), data)  # field 4 (groups), length-delimited
+        size += len(data)
         if size >= batch_bytes or k == len(groups) - 1:
-            yield replay_pb2.InsertRequest(table=table, groups=[groups[j] for j in batch],
-                                           priorities=[prios[j] for j in batch] if all(given) else [])
-            batch, size = [], 0
+            if all(given):
+                parts.append(replay_pb2.InsertRequest(priorities=prios[first:k + 1]).SerializeToString())
+            yield b"".join(parts)
+            parts, first, size = [head], k + 1, 0
 
 
 class ReplayClient(_Client):
     stub_class = replay_pb2_grpc.ReplayServiceStub
+
+    def __init__(self, address: str, timeout: float = 60.0, channel: grpc.Channel | None = None):
+        super().__init__(address, timeout, channel)
+        # Insert with requests serialized by _insert_requests (bytes on the wire as they are)
+        self._insert_raw = self._channel.stream_unary("/temper.v1.ReplayService/Insert",
+                                                      request_serializer=bytes,
+                                                      response_deserializer=replay_pb2.InsertResponse.FromString)
 
     def insert(self, groups: Iterable[common_pb2.RolloutGroup], table: str = "default",
                priorities: Iterable[float | None] | None = None,
@@ -178,7 +201,7 @@ class ReplayClient(_Client):
         Groups travel in batch messages of about ``batch_bytes`` (far cheaper per group than a
         message each); a group with a priority of its own travels alone (``priority`` is per message).
         """
-        return self.stub.Insert(_insert_requests(list(groups), table, priorities, batch_bytes), timeout=self.timeout)
+        return self._insert_raw(_insert_requests(list(groups), table, priorities, batch_bytes), timeout=self.timeout)
 
     def sample_batch(self, batch_size: int, table: str = "default", timeout_ms: int = 10_000,
                      current_policy_version: int | None = None,

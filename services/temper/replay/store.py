@@ -34,6 +34,7 @@ from functools import partial
 from pathlib import Path
 
 from temper.replay.payloads import PayloadLog
+from temper.replay.wire import array_lengths
 from temper.replay.tables import Draw, Removal, Table, TableConfig, TableStats
 from temper.runtime.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, require
 from temper.v1 import common_pb2
@@ -67,13 +68,14 @@ CHECKPOINT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def validate_group(group: common_pb2.RolloutGroup, field: str = "group") -> None:
+    """INVALID_ARGUMENT naming the field unless ``group`` (a RolloutGroup or its wire view) can be stored."""
     require(bool(group.group_id), f"{field}.group_id", "required")
     require(len(group.trajectories) > 0, f"{field}.trajectories", "empty group")
     for i, t in enumerate(group.trajectories):
         f = f"{field}.trajectories[{i}]"
-        require(len(t.completion_token_ids) == len(t.completion_logprobs), f"{f}.completion_logprobs",
-                f"{len(t.completion_logprobs)} logprobs for {len(t.completion_token_ids)} completion tokens")
-        require(len(t.completion_token_ids) > 0, f"{f}.completion_token_ids", "empty completion")
+        tokens, logprobs = array_lengths(t, f)  # a wire view (wire.py) is counted, not decoded
+        require(tokens == logprobs, f"{f}.completion_logprobs", f"{logprobs} logprobs for {tokens} completion tokens")
+        require(tokens > 0, f"{f}.completion_token_ids", "empty completion")
         require(not t.group_id or t.group_id == group.group_id, f"{f}.group_id",
                 f"{t.group_id!r} in group {group.group_id!r}")
         require(t.policy_version >= 0, f"{f}.policy_version", f"must be >= 0, got {t.policy_version}")
