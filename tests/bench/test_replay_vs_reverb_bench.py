@@ -33,7 +33,8 @@ from tests.replay.util import start_replay
 REVERB_VENV = Path(os.environ.get("TEMPER_REVERB_VENV", "/work/bench-venvs/reverb"))
 REVERB_PYTHON = REVERB_VENV / "bin" / "python"
 PEER = Path(__file__).with_name("reverb_peer.py")
-ITEMS, SAMPLE_BATCHES, BATCH, TOKENS, CALL = 8192, 150, 64, 2048, 256
+ITEMS = int(os.environ.get("TEMPER_BENCH_REPLAY_ITEMS", "8192"))
+SAMPLE_BATCHES, BATCH, TOKENS, CALL = 150, 64, 2048, 256
 CONFIG = """
 [replay]
 ingest_tables = []

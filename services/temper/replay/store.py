@@ -68,12 +68,31 @@ CHECKPOINT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def validate_group(group: common_pb2.RolloutGroup, field: str = "group") -> None:
-    """INVALID_ARGUMENT naming the field unless ``group`` (a RolloutGroup or its wire view) can be stored."""
+    """INVALID_ARGUMENT naming the field unless ``group`` (a RolloutGroup or its wire view) can be stored.
+
+    The checks run on every inserted group, so they are cheap tests first and the messages (field
+    names, formatted values) are built only for a group that fails one (``_refuse_group``)."""
+    gid = group.group_id
+    trajectories = group.trajectories
+    if not gid or not trajectories:
+        _refuse_group(group, field)
+    for t in trajectories:
+        tokens, logprobs, malformed = array_lengths(t)  # a wire view (wire.py) is counted, not decoded
+        tgid, reward = t.group_id, t.reward
+        if (malformed or tokens != logprobs or not tokens or (tgid and tgid != gid) or t.policy_version < 0
+                or not t.HasField("reward") or reward.status != common_pb2.REWARD_STATUS_OK
+                or not math.isfinite(reward.total)):
+            _refuse_group(group, field)
+
+
+def _refuse_group(group, field: str) -> None:
+    """Raise INVALID_ARGUMENT naming the first field of ``group`` that is wrong."""
     require(bool(group.group_id), f"{field}.group_id", "required")
     require(len(group.trajectories) > 0, f"{field}.trajectories", "empty group")
     for i, t in enumerate(group.trajectories):
         f = f"{field}.trajectories[{i}]"
-        tokens, logprobs = array_lengths(t, f)  # a wire view (wire.py) is counted, not decoded
+        tokens, logprobs, malformed = array_lengths(t)
+        require(malformed is None, f"{f}.{malformed}", "malformed packed array")
         require(tokens == logprobs, f"{f}.completion_logprobs", f"{logprobs} logprobs for {tokens} completion tokens")
         require(tokens > 0, f"{f}.completion_token_ids", "empty completion")
         require(not t.group_id or t.group_id == group.group_id, f"{f}.group_id",
@@ -83,6 +102,7 @@ def validate_group(group: common_pb2.RolloutGroup, field: str = "group") -> None
         require(t.reward.status == common_pb2.REWARD_STATUS_OK, f"{f}.reward.status",
                 f"reward not OK: {[c.error for c in t.reward.components if c.error]}")
         require(math.isfinite(t.reward.total), f"{f}.reward.total", "NaN or inf")
+    raise AssertionError("unreachable: validate_group found a fault _refuse_group did not")
 
 
 def validate_priority(priority: float, field: str) -> None:

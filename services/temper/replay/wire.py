@@ -20,7 +20,6 @@ import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.message_factory import GetMessageClass
 
-from temper.runtime.errors import require
 from temper.v1 import common_pb2, replay_pb2
 
 VIEW_PACKAGE = "temper.v1view"
@@ -57,9 +56,9 @@ InsertRequestView, RolloutGroupView, TrajectoryView = _build_views()
 TRAJECTORY_VIEW = TrajectoryView.DESCRIPTOR
 
 
-def _varint_count(records, field: str) -> int:
-    """Elements in packed varint ``records``; INVALID_ARGUMENT naming ``field`` if malformed: the
-    last varint unterminated, or one longer than 10 bytes (upb refuses both)."""
+def _varint_count(records) -> int:
+    """Elements in packed varint ``records``, or -1 if malformed: the last varint unterminated,
+    or one longer than 10 bytes (upb refuses both)."""
     n = 0
     for r in records:
         if not r:
@@ -68,32 +67,35 @@ def _varint_count(records, field: str) -> int:
         run = high[:-1] & high[1:]  # runs of continuation bytes, by doubling: 2, 4, 8, then 8 + 2 = 10
         run4 = run[:-2] & run[2:]
         run8 = run4[:-4] & run4[4:]
-        require(not high[-1] and not (run8[:-2] & run[8:len(run8) - 2 + 8]).any(), field, "malformed packed varints")
+        if high[-1] or (run8[:-2] & run[8:len(run8) - 2 + 8]).any():
+            return -1
         n += high.size - int(np.count_nonzero(high))
     return n
 
 
-def _float_count(records, field: str) -> int:
+def _float_count(records) -> int:
     n = 0
     for r in records:
-        require(len(r) % 4 == 0, field, f"packed floats of {len(r)} bytes (not a multiple of 4)")
+        if len(r) % 4:
+            return -1
         n += len(r) // 4
     return n
 
 
-def array_lengths(t, field: str) -> tuple[int, int]:
-    """(completion tokens, completion logprobs) of a Trajectory or a TrajectoryView; for a view
-    the packed bytes are checked to be well-formed (prompt ids included), as parsing would."""
+def array_lengths(t) -> tuple[int, int, str | None]:
+    """(completion tokens, completion logprobs, the name of a malformed packed array or None) of
+    a Trajectory or a TrajectoryView; a view's packed bytes are checked as parsing would."""
     if t.DESCRIPTOR is not TRAJECTORY_VIEW:
-        return len(t.completion_token_ids), len(t.completion_logprobs)
-    _varint_count(t.prompt_token_ids, f"{field}.prompt_token_ids")
-    return (_varint_count(t.completion_token_ids, f"{field}.completion_token_ids"),
-            _float_count(t.completion_logprobs, f"{field}.completion_logprobs"))
+        return len(t.completion_token_ids), len(t.completion_logprobs), None
+    tokens, logprobs = _varint_count(t.completion_token_ids), _float_count(t.completion_logprobs)
+    bad = ("prompt_token_ids" if _varint_count(t.prompt_token_ids) < 0 else
+           "completion_token_ids" if tokens < 0 else "completion_logprobs" if logprobs < 0 else None)
+    return tokens, logprobs, bad
 
 
 def needs_full_parse(group) -> bool:
     """True if a view may have missed unpacked-encoded arrays (see the module docstring)."""
-    return any(not any(t.completion_token_ids) or not any(t.completion_logprobs) for t in group.trajectories)
+    return any(not t.completion_token_ids or not t.completion_logprobs for t in group.trajectories)
 
 
 def varint(n: int) -> bytes:
