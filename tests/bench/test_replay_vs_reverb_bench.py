@@ -4,7 +4,8 @@ The work (tests/bench/reverb_peer.py does Reverb's side): items of 2,048 tokens 
 a reward (Reverb: int32/f32 tensors, 16 KiB; Temper: a RolloutGroup of one trajectory, the same
 numbers as protobuf); insert ``ITEMS`` with 1 writer into a uniform table and with 4 writers
 (threads, a client each) into a prioritized one with random priorities; then sample batches of
-64 from each. Both servers are separate processes from their clients, on loopback.
+64 from each. Both servers are separate processes from their clients, on loopback. Reverb runs
+before and after Temper and its better figure of each counts.
 
 Temper's clients start from RolloutGroup messages in hand (as Reverb's start from numpy arrays)
 and go through the SDK: ``ReplayClient.insert`` (batch messages, one call per 256 groups,
@@ -135,9 +136,14 @@ def replay_model_dir(tmp_path) -> Path:
 def test_replay_vs_reverb(tmp_path, replay_model_dir):
     items = groups(ITEMS, "g")
     priorities = (0.1 + np.random.default_rng(1).random(ITEMS)).tolist()
-    reverb = reverb_side()
+    # the machine is shared and its load comes and goes: Reverb runs before and after Temper and
+    # keeps its better figure of each (so the ratios are, if anything, against Temper)
+    runs = [reverb_side()]
     temper = {fsync: temper_side(tmp_path / f"fsync-{fsync}", replay_model_dir, fsync, items, priorities)
               for fsync in (False, True)}
+    runs.append(reverb_side())
+    reverb = {k: max(r[k] for r in runs) for k in runs[0] if not isinstance(runs[0][k], dict)}
+    print("\nReverb runs (before, after):", json.dumps(runs))
     print(f"\nreplay vs DeepMind Reverb 0.14, {ITEMS} items of {TOKENS} tokens + {TOKENS} logprobs + reward "
           f"(Reverb {reverb['item_bytes']} B, Temper {temper[False]['item_bytes']} B as protobuf); "
           f"sample: {SAMPLE_BATCHES} batches of {BATCH}; items/s")
