@@ -8,7 +8,9 @@ priority, as the learner loop does with ``priority_signal = "mean_abs_advantage"
 
 - ``fifo-once``: the default table (FIFO, each group sampled once): one step per generated batch;
 - ``prioritized-reuse``: a prioritized table (alpha 0.6, beta 0.4) with samples_per_insert = 2
-  under the rate limiter and max_policy_lag = 4: two steps per generated batch.
+  under the rate limiter and max_policy_lag = 4: two steps per generated batch;
+- ``prioritized-reuse-e1``: the same with 1 epoch per step instead of 2, so it makes as many
+  gradient passes per generated batch as fifo-once.
 
 Both arms generate the same number of batches (so about the same tokens); held-out reward is
 greedy exact-answer accuracy on 96 toy tasks no arm trains on. Run: ``make bench``.
@@ -32,13 +34,15 @@ from temper.v1 import common_pb2
 
 DOMAINS = ("toy.copy", "toy.next")
 GROUPS, GROUP_SIZE, ROUNDS, HELD_OUT = 8, 8, 40, 96
-ARMS = {
-    "fifo-once": (TableConfig(), 1),
-    "prioritized-reuse": (TableConfig(sampler="prioritized", max_times_sampled=0, priority_exponent=0.6,
-                                      importance_sampling_exponent=0.4, samples_per_insert=2.0,
-                                      min_size_to_sample=GROUPS, error_buffer=2.0 * GROUPS, max_policy_lag=4,
-                                      max_size=32 * GROUPS, seed=0), 2),
+PRIORITIZED = TableConfig(sampler="prioritized", max_times_sampled=0, priority_exponent=0.6,
+                          importance_sampling_exponent=0.4, samples_per_insert=2.0, min_size_to_sample=GROUPS,
+                          error_buffer=2.0 * GROUPS, max_policy_lag=4, max_size=32 * GROUPS, seed=0)
+ARMS = {  # name: (table, steps per generated batch, trainer epochs per step)
+    "fifo-once": (TableConfig(), 1, 2),  # the toy job's learner (epochs = 2)
+    "prioritized-reuse": (PRIORITIZED, 2, 2),
+    "prioritized-reuse-e1": (PRIORITIZED, 2, 1),  # as many gradient passes per generated batch as fifo-once
 }
+SEEDS = (0, 1, 2)
 
 
 def generate(engine: HFEngine, rng: random.Random, round_: int, seed: int) -> tuple[list, int]:
@@ -68,9 +72,9 @@ def held_out(engine: HFEngine, tasks: list) -> float:
 
 
 def run_arm(model_dir, tmp, name: str, seed: int, eval_tasks: list) -> dict:
-    table, steps_per_round = ARMS[name]
+    table, steps_per_round, epochs = ARMS[name]
     engine = HFEngine(model_dir)
-    trainer = Trainer(model_dir, TrainerConfig(lr=1e-3, epochs=2))
+    trainer = Trainer(model_dir, TrainerConfig(lr=1e-3, epochs=epochs))
     store = ReplayStore(tmp / f"{name}-{seed}" / "replay.sqlite", {"t": table}, fsync=False)
     rng = random.Random(seed)
     before, tokens, steps, t0 = held_out(engine, eval_tasks), 0, 0, time.perf_counter()
@@ -103,14 +107,14 @@ def test_fifo_once_vs_prioritized_reuse(tmp_path):
     model_dir = build_tiny_model(tmp_path / "tiny", seed=0)
     eval_rng = random.Random(10_000)
     eval_tasks = [toy.make_task(eval_rng.choice(DOMAINS), eval_rng, f"eval-{i}") for i in range(HELD_OUT)]
-    rows = [run_arm(model_dir, tmp_path, name, seed, eval_tasks) for seed in (0, 1) for name in ARMS]
+    rows = [run_arm(model_dir, tmp_path, name, seed, eval_tasks) for seed in SEEDS for name in ARMS]
     print(f"\nFIFO-once vs prioritized reuse, tiny model, toy.copy + toy.next, {ROUNDS} batches of {GROUPS} x "
           f"{GROUP_SIZE}, held-out greedy accuracy on {HELD_OUT} tasks")
     for row in rows:
-        print(f"  {row['arm']:<18} seed {row['seed']}: held-out {row['before']:.3f} -> {row['after']:.3f} "
+        print(f"  {row['arm']:<21} seed {row['seed']}: held-out {row['before']:.3f} -> {row['after']:.3f} "
               f"over {row['tokens']} generated tokens, {row['steps']} steps: {row['gain_per_1k_tokens']:+.4f} "
               f"per 1k tokens ({row['seconds']:.0f}s; removed {row['removed']})")
     for name in ARMS:
         mine = [r["gain_per_1k_tokens"] for r in rows if r["arm"] == name]
-        print(f"  {name:<18} mean gain per 1k generated tokens: {sum(mine) / len(mine):+.4f}")
+        print(f"  {name:<21} mean gain per 1k generated tokens: {sum(mine) / len(mine):+.4f}")
     assert all(r["steps"] == ROUNDS * ARMS[r["arm"]][1] for r in rows)
