@@ -34,8 +34,8 @@ from functools import partial
 from pathlib import Path
 
 from temper.replay.payloads import PayloadLog
-from temper.replay.wire import array_lengths
 from temper.replay.tables import Draw, Removal, Table, TableConfig, TableStats
+from temper.replay.wire import array_lengths
 from temper.runtime.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, require
 from temper.v1 import common_pb2
 
