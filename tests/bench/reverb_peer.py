@@ -69,7 +69,8 @@ def sample(client: reverb.Client, address: str, table: str, batches: int) -> dic
         b = next(it)
         assert b.data["tokens"].shape == (BATCH, TOKENS)
     dataset = batches * BATCH / (time.perf_counter() - t0)
-    stream = client.sample(table, num_samples=(batches + 1) * BATCH, emit_timesteps=False)
+    stream = client.sample(table, num_samples=(batches + 1) * BATCH, emit_timesteps=False,
+                           unpack_as_table_signature=True)
     for _ in range(BATCH):
         next(stream)
     t0 = time.perf_counter()
