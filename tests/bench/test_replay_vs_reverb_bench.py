@@ -8,8 +8,9 @@ numbers as protobuf); insert ``ITEMS`` with 1 writer into a uniform table and wi
 before and after Temper and its better figure of each counts.
 
 Temper's clients start from RolloutGroup messages in hand (as Reverb's start from numpy arrays)
-and go through the SDK: ``ReplayClient.insert`` (batch messages, one call per 256 groups,
-answered once durable) and ``ReplayClient.sample_batch`` (groups parsed, with SampleInfo).
+and go through the SDK: ``ReplayClient.insert_future`` (batch messages, one call per 256 groups,
+answered once durable, two calls in flight per writer) and ``ReplayClient.sample_batches``
+(groups parsed, with SampleInfo, two calls in flight).
 Temper runs twice, ``fsync = false`` (durable against kill -9, as Reverb's in-memory tables are
 not even that) and ``fsync = true`` (durable against an OS crash too). Goal: >= 1.0x Reverb with
 fsync off. Run: ``make bench-peers`` once, then ``make bench``.
@@ -36,6 +37,7 @@ REVERB_PYTHON = REVERB_VENV / "bin" / "python"
 PEER = Path(__file__).with_name("reverb_peer.py")
 ITEMS = int(os.environ.get("TEMPER_BENCH_REPLAY_ITEMS", "8192"))
 SAMPLE_BATCHES, BATCH, TOKENS, CALL = 150, 64, 2048, 256
+IN_FLIGHT = 2  # calls a client keeps outstanding (Reverb: 32 unconfirmed items per writer, 128 samples in flight)
 CONFIG = """
 [replay]
 ingest_tables = []
@@ -71,11 +73,17 @@ def groups(n: int, prefix: str) -> list[common_pb2.RolloutGroup]:
 def insert(address: str, table: str, items: list, priorities: list[float] | None, writers: int) -> float:
     def write(part: range) -> None:
         client = ReplayClient(address, timeout=300)
+        in_flight: list = []
         try:
             for k in range(part.start, part.stop, CALL):
                 stop = min(k + CALL, part.stop)
-                r = client.insert(items[k:stop], table, priorities[k:stop] if priorities else None)
-                assert r.inserted == stop - k, r
+                in_flight.append((client.insert_future(items[k:stop], table, priorities[k:stop] if priorities else None),
+                                  stop - k))
+                if len(in_flight) >= IN_FLIGHT:
+                    future, n = in_flight.pop(0)
+                    assert future.result().inserted == n
+            for future, n in in_flight:
+                assert future.result().inserted == n
         finally:
             client.close()
 
@@ -95,8 +103,7 @@ def sample(address: str, table: str, batches: int) -> float:
     try:
         client.sample_batch(BATCH, table)
         t0 = time.perf_counter()
-        for _ in range(batches):
-            r = client.sample_batch(BATCH, table)
+        for r in client.sample_batches(BATCH, table, in_flight=IN_FLIGHT, count=batches):
             assert len(r.groups) == BATCH and len(r.groups[0].trajectories[0].completion_token_ids) == TOKENS
         return batches * BATCH / (time.perf_counter() - t0)
     finally:

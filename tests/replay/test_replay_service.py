@@ -197,3 +197,14 @@ def test_groups_are_validated_from_the_wire_packed_or_not(replay):
     request = (replay_pb2.InsertRequest(table="default").SerializeToString() + b"\x12" +
                _len(common_pb2.RolloutGroup(group_id="bad-varint").SerializeToString() + b"\x2a" + _len(bad_bytes)))
     expect(IA, "requests[0].group.trajectories[0].completion_token_ids", raw_insert, iter([request]), timeout=10)
+
+
+def test_sdk_insert_future_and_sample_batches_with_calls_in_flight(replay):
+    client, _ = replay
+    futures = [client.insert_future([make_group(f"fut-{k}-{i}") for i in range(3)], table="prio") for k in range(3)]
+    assert [f.result().inserted for f in futures] == [3, 3, 3]
+    batches = list(client.sample_batches(4, table="prio", in_flight=3, count=5))
+    assert len(batches) == 5 and all(len(b.groups) == len(b.info) == 4 for b in batches)
+    with pytest.raises(grpc.RpcError) as e:  # errors surface from the batch that failed
+        next(client.sample_batches(4, table="nope", count=1))
+    assert e.value.code() == IA and "table" in e.value.details()

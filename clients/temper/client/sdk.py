@@ -8,7 +8,8 @@ protobuf and the generated code only (no torch): services pass a traced channel 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Iterable, Iterator
 
 import grpc
 
@@ -203,6 +204,15 @@ class ReplayClient(_Client):
         """
         return self._insert_raw(_insert_requests(list(groups), table, priorities, batch_bytes), timeout=self.timeout)
 
+    def insert_future(self, groups: Iterable[common_pb2.RolloutGroup], table: str = "default",
+                      priorities: Iterable[float | None] | None = None,
+                      batch_bytes: int = INSERT_BATCH_BYTES) -> grpc.Future:
+        """``insert`` without waiting: ``.result()`` is its InsertResponse (or raises its error).
+        A writer keeps a few of these in flight so that its next groups travel while the server
+        commits the previous ones (as Reverb's writers do with ``flush(block_until_num_items)``)."""
+        return self._insert_raw.future(_insert_requests(list(groups), table, priorities, batch_bytes),
+                                       timeout=self.timeout)
+
     def sample_batch(self, batch_size: int, table: str = "default", timeout_ms: int = 10_000,
                      current_policy_version: int | None = None,
                      importance_sampling_exponent: float | None = None) -> replay_pb2.SampleResponse:
@@ -211,6 +221,25 @@ class ReplayClient(_Client):
                                        current_policy_version=current_policy_version,
                                        importance_sampling_exponent=importance_sampling_exponent)
         return self.stub.Sample(req, timeout=timeout_ms / 1000 + self.timeout)
+
+    def sample_batches(self, batch_size: int, table: str = "default", timeout_ms: int = 10_000,
+                       in_flight: int = 2, count: int | None = None) -> Iterator[replay_pb2.SampleResponse]:
+        """``sample_batch`` again and again (``count`` times; None: until closed), with up to
+        ``in_flight`` calls outstanding, so the server draws the next batches while this one is
+        used. Each batch is drawn before the ones in flight ahead of it are consumed: for readers
+        that need not see their own priority updates in the very next batch."""
+        req = replay_pb2.SampleRequest(table=table, batch_size=batch_size, timeout_ms=timeout_ms)
+        pending: deque[grpc.Future] = deque()
+        issued = 0
+        try:
+            while count is None or issued < count or pending:
+                while len(pending) < max(1, in_flight) and (count is None or issued < count):
+                    pending.append(self.stub.Sample.future(req, timeout=timeout_ms / 1000 + self.timeout))
+                    issued += 1
+                yield pending.popleft().result()
+        finally:
+            for f in pending:
+                f.cancel()
 
     def sample(self, batch_size: int, table: str = "default", timeout_ms: int = 10_000,
                current_policy_version: int | None = None) -> list[common_pb2.RolloutGroup]:
