@@ -18,7 +18,7 @@ STAMP := $(VENV)/.temper-setup
 PROTO_SRC := $(wildcard protos/temper/v1/*.proto)
 PROTO_STAMP := clients/temper/v1/.generated
 
-.PHONY: setup run test test-fast test-rest bench protos lint proto-baseline clean system-deps
+.PHONY: setup run test test-fast test-rest bench bench-peers protos lint proto-baseline clean system-deps
 
 SMOLLM2 := .temper/models/smollm2-135m-instruct
 
@@ -78,6 +78,17 @@ test-rest: setup
 
 bench: setup
 	$(VENV)/bin/pytest -q -s -m bench tests/bench
+
+# Peers the benchmarks compare against, each in a bench-only environment outside the repo (never a
+# dependency of Temper); a bench whose peer is absent skips and says so.
+BENCH_VENVS ?= /work/bench-venvs
+bench-peers: $(BENCH_VENVS)/reverb/.installed
+
+# DeepMind Reverb 0.14 needs Python 3.11 and tensorflow-cpu 2.15 (tests/bench/reverb_peer.py)
+$(BENCH_VENVS)/reverb/.installed:
+	python3.11 -m venv $(BENCH_VENVS)/reverb
+	$(BENCH_VENVS)/reverb/bin/pip install -q 'dm-reverb==0.14.0' 'tensorflow-cpu~=2.15.0'
+	touch $@
 
 lint: setup
 	$(VENV)/bin/ruff check services clients tests

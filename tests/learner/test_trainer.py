@@ -305,3 +305,37 @@ def test_checkpoints_refuse_the_wrong_shape_and_are_atomic(model_dir, batches, t
     checkpoint.prune(tmp_path, keep=2)
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-3", "step-4"]
     assert checkpoint.latest(tmp_path).name == "step-4"
+
+
+def _with_groups(batch: Batch, **changes) -> Batch:
+    b = copy.copy(batch)
+    b.group_ids = [f"g{i}" for i in range(int(batch.group_index.max()) + 1)]
+    for k, v in changes.items():
+        setattr(b, k, v)
+    return b
+
+
+def test_sample_weights_scale_each_groups_policy_loss_and_signals_come_back_per_group(model_dir):
+    """Replay's importance weights multiply the policy loss of their group's sequences (default
+    1); the step reports each group's mean |advantage|, 0 for a group without a learning signal."""
+    batch = synthetic_batch(3, n=12)  # 3 groups of 4
+    batch.rewards = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0])  # group 0: flat
+    groups = int(batch.group_index.max()) + 1
+    cfg = TrainerConfig(kl_coef=0.0, entropy_coef=0.0)
+    plain = Trainer(model_dir, cfg).step(_with_groups(batch))
+    ones = Trainer(model_dir, cfg).step(_with_groups(batch, sample_weights=torch.ones(groups)))
+    half = Trainer(model_dir, cfg)
+    halved = half.step(_with_groups(batch, sample_weights=torch.full((groups,), 0.5)))
+    assert math.isclose(ones["policy_loss"], plain["policy_loss"], rel_tol=1e-6, abs_tol=1e-9)
+    assert math.isclose(halved["policy_loss"], 0.5 * plain["policy_loss"], rel_tol=1e-5, abs_tol=1e-9)
+    signal = half.group_signals["mean_abs_advantage"]
+    assert set(signal) == {"g0", "g1", "g2"} and signal["g0"] == 0.0 and signal["g1"] > 0 and signal["g2"] > 0
+
+
+@pytest.mark.parametrize("weights, field", [([1.0, 1.0], "sample_weights"), ([1.0, float("nan"), 1.0], "sample_weights[1]"),
+                                            ([1.0, 1.0, -0.1], "sample_weights[2]")])
+def test_bad_sample_weights_are_refused_naming_the_field(model_dir, weights, field):
+    trainer = Trainer(model_dir, TrainerConfig())
+    with pytest.raises(InvalidArgument) as e:
+        trainer.step(_with_groups(synthetic_batch(3, n=12), sample_weights=torch.tensor(weights)))
+    assert e.value.field == field

@@ -1,6 +1,7 @@
 """The replay service as a real process: gRPC contract, Kafka ingest into several tables, bad input."""
 
 import math
+import struct
 
 import grpc
 import pytest
@@ -10,6 +11,7 @@ from temper.runtime import kafka
 from temper.runtime.launcher import pid_alive
 from temper.runtime.rpc import check_health
 from temper.v1 import common_pb2, replay_pb2
+from temper.replay.wire import varint
 from tests.conftest import wait_until
 from tests.builders import scored_group
 from tests.replay.util import start_replay
@@ -121,12 +123,20 @@ def test_bad_input_is_refused_naming_the_field_and_harms_nothing(replay):
     expect(IA, "timeout_ms", client.sample, 1, table="default", timeout_ms=-1)
     expect(IA, "priorities['keep-1']", client.update_priorities, {"keep-2": 1.0, "keep-1": -1.0}, table="default")
     expect(IA, "priorities['keep-2']", client.update_priorities, {"keep-2": math.nan}, table="default")
-    expect(IA, "requests[1].priority", client.insert, [scored_group("new-3"), scored_group("new-4")], table="default",
-           priorities=[1.0, -0.5])
+    expect(IA, "requests[0].priorities[1]", client.insert, [scored_group("new-3"), scored_group("new-4")],
+           table="default", priorities=[1.0, -0.5])  # the SDK sends one batch message
+    expect(IA, "requests[1].priority", client.stub.Insert, iter([
+        replay_pb2.InsertRequest(table="default", group=scored_group("new-3"), priority=1.0),
+        replay_pb2.InsertRequest(table="default", group=scored_group("new-4"), priority=-0.5)]), timeout=10)
+    expect(IA, "requests[0].priorities", client.stub.Insert, iter([replay_pb2.InsertRequest(
+        table="default", groups=[scored_group("new-3"), scored_group("new-4")], priorities=[1.0])]), timeout=10)
     malformed = scored_group("new-5")
     malformed.trajectories[1].completion_logprobs.pop()
-    expect(IA, "requests[1].group.trajectories[1].completion_logprobs", client.insert,
+    expect(IA, "requests[0].groups[1].trajectories[1].completion_logprobs", client.insert,
            [scored_group("new-6"), malformed], table="default")
+    expect(IA, "requests[1].group.trajectories[1].completion_logprobs", client.stub.Insert, iter([
+        replay_pb2.InsertRequest(table="default", group=scored_group("new-6")),
+        replay_pb2.InsertRequest(table="default", group=malformed)]), timeout=10)
     expect(IA, "requests[0].group", client.stub.Insert, iter([replay_pb2.InsertRequest(table="default")]), timeout=10)
     expect(IA, "importance_sampling_exponent", client.sample_batch, 1, table="prio", timeout_ms=0,
            importance_sampling_exponent=-1.0)
@@ -157,3 +167,47 @@ def test_checkpoint_and_restore_through_grpc(replay):
     assert client.restore(ckpt.checkpoint_id).table_sizes["default"] == 2
     assert [g.group_id for g in client.sample(2, timeout_ms=0)] == ["ck-a", "ck-b"]
     assert isinstance(client.sample_batch(1, table="prio", timeout_ms=0).groups[0], common_pb2.RolloutGroup)
+
+
+def _len(data: bytes) -> bytes:
+    return varint(len(data)) + data
+
+
+def test_groups_are_validated_from_the_wire_packed_or_not(replay):
+    """The server counts packed arrays without decoding them (replay/wire.py): unpacked arrays
+    (legal protobuf) are still read right, malformed packed varints are refused naming the field."""
+    client, _ = replay
+    raw_insert = client._channel.stream_unary("/temper.v1.ReplayService/Insert", request_serializer=bytes,
+                                              response_deserializer=replay_pb2.InsertResponse.FromString)
+    g = scored_group("unpacked-1", n=2, tokens=5)
+    body = common_pb2.RolloutGroup(group_id=g.group_id, task=g.task)
+    trajectories = []
+    for t in g.trajectories:
+        head = common_pb2.Trajectory(trajectory_id=t.trajectory_id, group_id=t.group_id, prompt_token_ids=t.prompt_token_ids,
+                                     policy_version=t.policy_version, reward=t.reward).SerializeToString()
+        unpacked = b"".join(b"\x20" + varint(x) for x in t.completion_token_ids)  # field 4, one varint each
+        unpacked += b"".join(b"\x2d" + struct.pack("<f", x) for x in t.completion_logprobs)  # field 5, fixed32 each
+        trajectories.append(b"\x2a" + _len(head + unpacked))  # RolloutGroup field 5
+    group_bytes = body.SerializeToString() + b"".join(trajectories)
+    assert common_pb2.RolloutGroup.FromString(group_bytes) == g
+    request = replay_pb2.InsertRequest(table="default").SerializeToString() + b"\x12" + _len(group_bytes)
+    assert raw_insert(iter([request]), timeout=10).inserted == 1
+    got = client.sample_batch(client.stats("default").size, table="default", timeout_ms=5_000)  # FIFO: all of it
+    assert g in list(got.groups)
+
+    bad = common_pb2.Trajectory(trajectory_id="x", completion_logprobs=[-1.0], reward=g.trajectories[0].reward)
+    bad_bytes = bad.SerializeToString() + b"\x22\x01\x85"  # one unterminated varint
+    request = (replay_pb2.InsertRequest(table="default").SerializeToString() + b"\x12" +
+               _len(common_pb2.RolloutGroup(group_id="bad-varint").SerializeToString() + b"\x2a" + _len(bad_bytes)))
+    expect(IA, "requests[0].group.trajectories[0].completion_token_ids", raw_insert, iter([request]), timeout=10)
+
+
+def test_sdk_insert_future_and_sample_batches_with_calls_in_flight(replay):
+    client, _ = replay
+    futures = [client.insert_future([scored_group(f"fut-{k}-{i}") for i in range(3)], table="prio") for k in range(3)]
+    assert [f.result().inserted for f in futures] == [3, 3, 3]
+    batches = list(client.sample_batches(4, table="prio", in_flight=3, count=5))
+    assert len(batches) == 5 and all(len(b.groups) == len(b.info) == 4 for b in batches)
+    with pytest.raises(grpc.RpcError) as e:  # errors surface from the batch that failed
+        next(client.sample_batches(4, table="nope", count=1))
+    assert e.value.code() == IA and "table" in e.value.details()

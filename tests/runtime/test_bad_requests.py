@@ -91,7 +91,7 @@ def test_replay(stack):
     expect(IA, "table", c.stats, "nope")
     bad = scored_group("bad")
     bad.trajectories[0].completion_logprobs.append(-1.0)
-    expect(IA, "group.trajectories[0].completion_logprobs", c.insert, [bad])
+    expect(IA, "requests[0].groups[0].trajectories[0].completion_logprobs", c.insert, [bad])  # the SDK batches
     expect(IA, "requests[0].group", c.stub.Insert, iter([replay_pb2.InsertRequest(table="default")]), timeout=10)
     expect(IA, "table", c.stub.UpdatePriorities, replay_pb2.UpdatePrioritiesRequest(), timeout=10)
     assert c.stats().table == "default"

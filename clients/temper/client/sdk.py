@@ -8,7 +8,8 @@ protobuf and the generated code only (no torch): services pass a traced channel 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Iterable, Iterator
 
 import grpc
 
@@ -150,16 +151,72 @@ class SandboxClient(_Client):
         return self.stub.RunTests(req, timeout=self.timeout + len(cases) * (req.program.limits.wall_seconds or 10))
 
 
+INSERT_BATCH_BYTES = 1 << 20  # well under the servers' message limit, big enough to amortise a message's cost
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _insert_requests(groups: list[common_pb2.RolloutGroup], table: str, priorities: Iterable[float | None] | None,
+                     batch_bytes: int) -> Iterable[bytes]:
+    """Serialized InsertRequests of about ``batch_bytes``. Each group is serialized once and framed
+    as an entry of ``groups`` (field 4) by hand: building an InsertRequest message would deep-copy
+    every group first, which costs more than serializing it."""
+    prios = list(priorities) if priorities is not None else [None] * len(groups)
+    if len(prios) != len(groups):
+        raise ValueError(f"priorities: {len(prios)} for {len(groups)} groups")
+    given = [p is not None for p in prios]
+    if any(given) and not all(given):  # a batch carries priorities for all its groups or for none
+        for g, p in zip(groups, prios):
+            yield replay_pb2.InsertRequest(table=table, group=g, priority=p).SerializeToString()
+        return
+    head = replay_pb2.InsertRequest(table=table).SerializeToString()
+    parts, first, size = [head], 0, 0
+    for k, g in enumerate(groups):
+        data = g.SerializeToString()
+        parts += (b"\x22", _varint(len(data)), data)  # field 4 (groups), length-delimited
+        size += len(data)
+        if size >= batch_bytes or k == len(groups) - 1:
+            if all(given):
+                parts.append(replay_pb2.InsertRequest(priorities=prios[first:k + 1]).SerializeToString())
+            yield b"".join(parts)
+            parts, first, size = [head], k + 1, 0
+
+
 class ReplayClient(_Client):
     stub_class = replay_pb2_grpc.ReplayServiceStub
 
+    def __init__(self, address: str, timeout: float = 60.0, channel: grpc.Channel | None = None):
+        super().__init__(address, timeout, channel)
+        # Insert with requests serialized by _insert_requests (bytes on the wire as they are)
+        self._insert_raw = self._channel.stream_unary("/temper.v1.ReplayService/Insert",
+                                                      request_serializer=bytes,
+                                                      response_deserializer=replay_pb2.InsertResponse.FromString)
+
     def insert(self, groups: Iterable[common_pb2.RolloutGroup], table: str = "default",
-               priorities: Iterable[float] | None = None) -> replay_pb2.InsertResponse:
-        """Stream ``groups`` into ``table``; answered once all are durable (or the rate limiter's wait ran out)."""
-        groups = list(groups)
-        prios = list(priorities) if priorities is not None else [None] * len(groups)
-        return self.stub.Insert((replay_pb2.InsertRequest(table=table, group=g, priority=p) for g, p in zip(groups, prios)),
-                                timeout=self.timeout)
+               priorities: Iterable[float | None] | None = None,
+               batch_bytes: int = INSERT_BATCH_BYTES) -> replay_pb2.InsertResponse:
+        """Stream ``groups`` into ``table``; answered once all are durable (or the rate limiter's wait ran out).
+
+        Groups travel in batch messages of about ``batch_bytes`` (far cheaper per group than a
+        message each); a group with a priority of its own travels alone (``priority`` is per message).
+        """
+        return self._insert_raw(_insert_requests(list(groups), table, priorities, batch_bytes), timeout=self.timeout)
+
+    def insert_future(self, groups: Iterable[common_pb2.RolloutGroup], table: str = "default",
+                      priorities: Iterable[float | None] | None = None,
+                      batch_bytes: int = INSERT_BATCH_BYTES) -> grpc.Future:
+        """``insert`` without waiting: ``.result()`` is its InsertResponse (or raises its error).
+        A writer keeps a few of these in flight so that its next groups travel while the server
+        commits the previous ones (as Reverb's writers do with ``flush(block_until_num_items)``)."""
+        return self._insert_raw.future(_insert_requests(list(groups), table, priorities, batch_bytes),
+                                       timeout=self.timeout)
 
     def sample_batch(self, batch_size: int, table: str = "default", timeout_ms: int = 10_000,
                      current_policy_version: int | None = None,
@@ -170,8 +227,28 @@ class ReplayClient(_Client):
                                        importance_sampling_exponent=importance_sampling_exponent)
         return self.stub.Sample(req, timeout=timeout_ms / 1000 + self.timeout)
 
+    def sample_batches(self, batch_size: int, table: str = "default", timeout_ms: int = 10_000,
+                       in_flight: int = 2, count: int | None = None) -> Iterator[replay_pb2.SampleResponse]:
+        """``sample_batch`` again and again (``count`` times; None: until closed), with up to
+        ``in_flight`` calls outstanding, so the server draws the next batches while this one is
+        used. Each batch is drawn before the ones in flight ahead of it are consumed: for readers
+        that need not see their own priority updates in the very next batch."""
+        req = replay_pb2.SampleRequest(table=table, batch_size=batch_size, timeout_ms=timeout_ms)
+        pending: deque[grpc.Future] = deque()
+        issued = 0
+        try:
+            while count is None or issued < count or pending:
+                while len(pending) < max(1, in_flight) and (count is None or issued < count):
+                    pending.append(self.stub.Sample.future(req, timeout=timeout_ms / 1000 + self.timeout))
+                    issued += 1
+                yield pending.popleft().result()
+        finally:
+            for f in pending:
+                f.cancel()
+
     def sample(self, batch_size: int, table: str = "default", timeout_ms: int = 10_000,
                current_policy_version: int | None = None) -> list[common_pb2.RolloutGroup]:
+        """The groups only (their SampleInfo dropped): use ``sample_batch`` for prioritized tables."""
         return list(self.sample_batch(batch_size, table, timeout_ms, current_policy_version).groups)
 
     def update_priorities(self, priorities: dict[str, float], table: str = "default"

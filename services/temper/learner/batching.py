@@ -37,6 +37,9 @@ class Batch:
     domains: list[str]
     job_id: str
     group_ids: list[str] | None = None  # [G] stable ids of the groups (data position in checkpoints)
+    # [G] loss weight of each group (prioritized replay's importance weights), multiplied into its
+    # sequences' policy loss; None: 1 for every group
+    sample_weights: torch.Tensor | None = None
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -71,6 +74,14 @@ class Batch:
                 i = int(bad.nonzero()[0])
                 require(False, f"{name}[{i}]", f"is {values[i].item()}; must be {rule}")
         require(bool((self.group_index >= 0).all()), "group_index", "must be >= 0")
+        if self.sample_weights is not None:
+            groups = int(self.group_index.max()) + 1
+            require(len(self.sample_weights) == groups, "sample_weights",
+                    f"{len(self.sample_weights)} weights for {groups} groups")
+            bad = ~torch.isfinite(self.sample_weights) | (self.sample_weights < 0)
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0])
+                require(False, f"sample_weights[{i}]", f"is {self.sample_weights[i].item()}; must be finite and >= 0")
         if vocab_size is not None:
             for name, seqs in (("prompts", self.prompts), ("completions", self.completions)):
                 for i, s in enumerate(seqs):
@@ -87,11 +98,13 @@ class Batch:
         return Batch([self.prompts[i] for i in keep], [self.completions[i] for i in keep], old,
                      self.temperatures[idx], self.rewards[idx], group_index, self.policy_versions[idx],
                      [self.domains[i] for i in keep], self.job_id,
-                     [self.group_ids[g] for g in kept_groups] if self.group_ids is not None else None)
+                     [self.group_ids[g] for g in kept_groups] if self.group_ids is not None else None,
+                     self.sample_weights[kept_groups] if self.sample_weights is not None else None)
 
 
-def batch_from_groups(groups: list[common_pb2.RolloutGroup]) -> Batch:
-    """Scored groups -> Batch; InvalidArgument naming ``groups[g].trajectories[t].<field>`` if bad."""
+def batch_from_groups(groups: list[common_pb2.RolloutGroup], sample_weights: list[float] | None = None) -> Batch:
+    """Scored groups -> Batch; InvalidArgument naming ``groups[g].trajectories[t].<field>`` if bad.
+    ``sample_weights``: one loss weight per group (replay's importance weights), or None."""
     require(len(groups) > 0, "groups", "empty batch")
     prompts, completions, old, temps, rewards, gidx, versions, domains = [], [], [], [], [], [], [], []
     for g_i, group in enumerate(groups):
@@ -118,7 +131,8 @@ def batch_from_groups(groups: list[common_pb2.RolloutGroup]) -> Batch:
             versions.append(t.policy_version)
             domains.append(group.task.domain)
     return Batch(prompts, completions, torch.tensor(old), torch.tensor(temps), torch.tensor(rewards, dtype=torch.float32),
-                 torch.tensor(gidx), torch.tensor(versions), domains, groups[0].job_id, [g.group_id for g in groups])
+                 torch.tensor(gidx), torch.tensor(versions), domains, groups[0].job_id, [g.group_id for g in groups],
+                 torch.tensor(sample_weights, dtype=torch.float32) if sample_weights is not None else None)
 
 
 @dataclass

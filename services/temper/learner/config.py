@@ -4,6 +4,8 @@ off-policy correction, LoRA); unknown algorithm names are refused at start-up wi
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from temper.learner.trainer import TrainerConfig
@@ -25,6 +27,11 @@ class LearnerConfig(ServiceConfig, TrainerConfig):
     checkpoint_every: int = Field(0, description="steps between checkpoints; 0: only on request (gRPC Checkpoint)")
     keep_checkpoints: int = Field(3, description="newest checkpoints kept")
     resume: bool = Field(True, description="restore the newest checkpoint of checkpoint_dir at start-up")
+    # what each sampled group's priority becomes after a step (prioritized tables): "none" sends
+    # nothing; "mean_abs_advantage" = mean |advantage| over the group's tokens (0 for a group whose
+    # rewards are all equal: it teaches nothing, so a prioritized table stops drawing it)
+    priority_signal: Literal["none", "mean_abs_advantage"] = Field(
+        "none", description="per-group priority sent to replay after each step")
     dependency_wait_seconds: float = Field(120.0, description="at start-up, how long to wait for inference replicas "
                                                               "that are still starting before resuming")
 

@@ -39,6 +39,7 @@ TOKENS = Counter("temper_learner_tokens", "Completion tokens trained on")
 SKIPPED = Counter("temper_learner_skipped_batches", "Batches refused (never trained on), by field", ["field"])
 PUSH_FAILURES = Counter("temper_learner_weight_push_failures", "Weight pushes an inference replica refused")
 CHECKPOINTS = Counter("temper_learner_checkpoints", "Checkpoints written")
+PRIORITY_UPDATES = Counter("temper_learner_priority_updates", "Group priorities replay accepted from this learner")
 
 
 @dataclass
@@ -60,7 +61,7 @@ class LearnerLoop:
     def __init__(self, trainer: Trainer, replay: ReplayClient, replicas: list[InferenceClient],
                  producer: kafka.ProtoProducer | None, groups_per_step: int, table: str = "default",
                  sample_timeout_ms: int = 5_000, checkpoint_dir: str | Path | None = None,
-                 checkpoint_every: int = 0, keep_checkpoints: int = 3):
+                 checkpoint_every: int = 0, keep_checkpoints: int = 3, priority_signal: str = "none"):
         self.trainer = trainer
         self.replay = replay
         self.replicas = replicas
@@ -71,9 +72,10 @@ class LearnerLoop:
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.checkpoint_every = checkpoint_every
         self.keep_checkpoints = keep_checkpoints
+        self.priority_signal = priority_signal  # sent to replay as each group's priority after a step
         self.state = LearnerState()
         self._lock = threading.Lock()  # one step / checkpoint at a time
-        self._pending: list[common_pb2.RolloutGroup] | None = None
+        self._pending: tuple[list[common_pb2.RolloutGroup], list[float]] | None = None
         self._stop = threading.Event()
         self._resume = threading.Event()
         self._resume.set()
@@ -95,10 +97,11 @@ class LearnerLoop:
             if self._stop.is_set():
                 return
             t0 = time.perf_counter()
-            groups, self._pending = self._pending, None
-            if groups is None:
+            sampled, self._pending = self._pending, None
+            if sampled is None:
                 try:
-                    groups = self.replay.sample(self.groups_per_step, self.table, self.sample_timeout_ms)
+                    r = self.replay.sample_batch(self.groups_per_step, self.table, self.sample_timeout_ms)
+                    sampled = list(r.groups), [i.importance_weight for i in r.info]
                 except grpc.RpcError as e:
                     if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                         _log.warning("sample failed", code=e.code().name, details=e.details())
@@ -106,24 +109,28 @@ class LearnerLoop:
                     continue
             with self._lock:
                 if not self._resume.is_set() or self._stop.is_set():  # paused while sampling: keep the batch
-                    self._pending = groups
+                    self._pending = sampled
                     continue
-                self._step(groups, t0)
+                self._step(*sampled, t0)
 
     # -- one step ------------------------------------------------------------------------------
-    def train_on(self, groups: list[common_pb2.RolloutGroup], t0: float | None = None) -> common_pb2.StepMetrics | None:
+    def train_on(self, groups: list[common_pb2.RolloutGroup], t0: float | None = None,
+                 weights: list[float] | None = None) -> common_pb2.StepMetrics | None:
         """One update on ``groups`` (None if the batch was refused; the refusal is counted)."""
         with self._lock:
-            return self._step(groups, time.perf_counter() if t0 is None else t0)
+            return self._step(groups, weights, time.perf_counter() if t0 is None else t0)
 
-    def _step(self, groups: list[common_pb2.RolloutGroup], t0: float) -> common_pb2.StepMetrics | None:
+    def _step(self, groups: list[common_pb2.RolloutGroup], weights: list[float] | None,
+              t0: float) -> common_pb2.StepMetrics | None:
+        """``weights``: the importance weight of each group's draw (replay's SampleInfo)."""
         with self._tracer.start_as_current_span("learner.step") as span:
             try:
-                batch = batch_from_groups(groups)
+                batch = batch_from_groups(groups, weights)
                 values = self.trainer.step(batch)
             except InvalidArgument as e:
                 self._count_skip(e)
                 return None
+            self._send_priorities()
             version = self.trainer.policy_version
             self._push(version)
             domain_rewards: dict[str, list[float]] = {}
@@ -146,6 +153,20 @@ class LearnerLoop:
             self._export(values)
             _log.info("step", step=s.step, mean_reward=round(metrics.mean_reward, 4), loss=round(values["loss"], 4))
             return metrics
+
+    def _send_priorities(self) -> None:
+        """The step's per-group signal as the groups' new priorities (groups sampled out are
+        reported unknown by replay, which is fine); a failure is logged, never fatal to training."""
+        if self.priority_signal == "none":
+            return
+        priorities = self.trainer.group_signals.get(self.priority_signal, {})
+        if not priorities:
+            return
+        try:
+            r = self.replay.update_priorities(priorities, self.table)
+            PRIORITY_UPDATES.inc(r.updated)
+        except grpc.RpcError as e:
+            _log.warning("priority update failed", code=e.code().name, details=e.details())
 
     def _count_skip(self, e: InvalidArgument) -> None:
         s = self.state

@@ -189,6 +189,7 @@ class Trainer:
                                                       weight_decay=config.weight_decay)
         self.step_count = 0  # updates applied
         self.policy_version = 0  # version of the current weights (= step_count unless bumped by the service)
+        self.group_signals: dict[str, dict[str, float]] = {}  # signal -> group id -> value, of the last step
         self.skipped_steps = 0
         self.data_position: dict = {"groups": 0, "samples": 0, "tokens": 0, "last_group_ids": []}
         lm_config = self.model.config
@@ -281,6 +282,15 @@ class Trainer:
             algos.AdvantageInputs(batch.rewards, batch.group_index, lengths, token_rewards, old_values),
             gamma=cfg.gamma, lam=cfg.lam, eps=cfg.advantage_eps)
         advantages = advantages.to(torch.float32)
+        seq_group = batch.group_index
+        token_group = seq_group.repeat_interleave(lengths)
+        # per-group priority signals for prioritized replay (the loop sends the configured one)
+        n_groups = int(seq_group.max()) + 1
+        abs_adv = torch.zeros(n_groups).index_add_(0, token_group, advantages.abs().detach())
+        self.group_signals = {"mean_abs_advantage": dict(zip(
+            batch.group_ids or [], (abs_adv / torch.bincount(token_group, minlength=n_groups)).tolist()))}
+        # importance weights of the groups' draws, per token, multiplied into the policy loss
+        sample_weights = batch.sample_weights[token_group] if batch.sample_weights is not None else None
         lr = self._set_lr()
         pre_update: list[torch.Tensor] = []  # epoch 0's logprobs: the weights before this step
         metrics: dict[str, float] = {}
@@ -298,9 +308,13 @@ class Trainer:
                     ratio_base = pre_update[i]
                     is_weights = torch.exp(ratio_base - old).clamp(max=cfg.tis_cap)
                 a = agg(mb)
+                loss_weights = is_weights
+                if sample_weights is not None:
+                    w = sample_weights[mb.tokens]
+                    loss_weights = w if is_weights is None else is_weights * w
                 policy_loss, info = POLICY_LOSSES[cfg.policy_loss](
                     logprobs, ratio_base, advantages[mb.tokens], agg=a, clip_low=cfg.clip_low,
-                    clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, is_weights=is_weights)
+                    clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, is_weights=loss_weights)
                 loss = policy_loss
                 if ref_logprobs is not None:
                     kl_tokens = kl_fn(logprobs, ref_logprobs[mb.tokens])

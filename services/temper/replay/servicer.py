@@ -1,7 +1,8 @@
 """gRPC ReplayService: translates protobuf <-> the store.
 
-Groups cross this service as bytes where it can: ``Insert`` keeps each group's bytes as
-received (``decode_insert_request``) and stores them as they are, and ``Sample`` frames the
+Groups cross this service as bytes where it can: ``Insert`` parses requests as wire views
+(``wire.py``: the token and logprob arrays stay undecoded bytes), keeps each group's bytes as
+received and stores them as they are, and ``Sample`` frames the
 stored bytes as field 1 of ``SampleResponse`` itself (``register`` installs a serializer that
 passes bytes through), so a 56 KB group is never parsed and serialized again on its way.
 """
@@ -14,52 +15,11 @@ import grpc
 from google.protobuf.message_factory import GetMessageClass
 
 from temper.replay.store import ReplayStore, SampleResult
+from temper.replay.wire import decode_insert_request, varint
 from temper.runtime.errors import reject_unknown_fields, require
 from temper.v1 import replay_pb2, replay_pb2_grpc
 
 SERVICE = replay_pb2.DESCRIPTOR.services_by_name["ReplayService"]
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _read_varint(data: bytes, i: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        b = data[i]
-        i += 1
-        value |= (b & 0x7F) << shift
-        if b < 0x80:
-            return value, i
-        shift += 7
-
-
-def decode_insert_request(data: bytes) -> tuple[replay_pb2.InsertRequest, memoryview | None]:
-    """The parsed request and the ``group`` field's bytes as sent (None if the field is absent or
-    repeated, which protobuf merges: then the parsed group is serialized instead)."""
-    request = replay_pb2.InsertRequest.FromString(data)  # validates the wire format
-    raw, seen, i = None, 0, 0
-    while i < len(data):
-        key, i = _read_varint(data, i)
-        wire = key & 7
-        if wire == 2:
-            length, i = _read_varint(data, i)
-            if key >> 3 == 2:
-                raw, seen = memoryview(data)[i:i + length], seen + 1  # no copy: the request's bytes
-            i += length
-        elif wire == 0:
-            _, i = _read_varint(data, i)
-        elif wire in (1, 5):
-            i += 8 if wire == 1 else 4
-        else:  # groups (deprecated wire types): leave it to the parsed message
-            return request, None
-    return request, raw if seen == 1 else None
 
 
 def encode_sample_response(result: SampleResult) -> bytes:
@@ -71,7 +31,7 @@ def encode_sample_response(result: SampleResult) -> bytes:
         for d in result.draws])
     parts = [head.SerializeToString()]
     for d in result.draws:
-        parts += (b"\x0a", _varint(len(d.payload)), d.payload)  # tag of field 1, length-delimited
+        parts += (b"\x0a", varint(len(d.payload)), d.payload)  # tag of field 1, length-delimited
     return b"".join(parts)
 
 
@@ -88,15 +48,23 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
 
     def Insert(self, request_iterator, context):
         by_table: dict[str, tuple[list, list, list, list]] = {}
-        for i, (req, raw) in enumerate(request_iterator):
-            require(req.HasField("group"), f"requests[{i}].group", "required")
+        for i, (req, group, batch, raw, raws) in enumerate(request_iterator):
+            require(group is not None or len(batch) > 0, f"requests[{i}].group", "required (or groups)")
             require(req.table in self.store.tables, f"requests[{i}].table",
                     f"unknown table {req.table!r}; known: {sorted(self.store.tables)}")
+            require(not req.priorities or len(req.priorities) == len(batch), f"requests[{i}].priorities",
+                    f"{len(req.priorities)} priorities for {len(batch)} groups (give none or one each)")
             groups, priorities, fields, payloads = by_table.setdefault(req.table, ([], [], [], []))
-            groups.append(req.group)
-            priorities.append(req.priority if req.HasField("priority") else None)
-            fields.append(f"requests[{i}].group")
-            payloads.append(raw)
+            if group is not None:
+                groups.append(group)
+                priorities.append(req.priority if req.HasField("priority") else None)
+                fields.append(f"requests[{i}].group")
+                payloads.append(raw)
+            n = len(batch)
+            groups.extend(batch)
+            priorities.extend(req.priorities or [None] * n)
+            fields.extend(f"requests[{i}].groups[{j}]" for j in range(n))
+            payloads.extend(raws or [None] * n)
         # every group of every table is validated before anything is stored
         prepared = {table: self.store.prepare(*args) for table, args in by_table.items()}
         timeout = self._timeout(context, self.insert_timeout_ms)

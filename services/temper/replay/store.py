@@ -35,6 +35,7 @@ from pathlib import Path
 
 from temper.replay.payloads import PayloadLog
 from temper.replay.tables import Draw, Removal, Table, TableConfig, TableStats
+from temper.replay.wire import array_lengths
 from temper.runtime.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, require
 from temper.v1 import common_pb2
 
@@ -61,19 +62,39 @@ CREATE TABLE IF NOT EXISTS counters (tbl TEXT, name TEXT, value INTEGER, PRIMARY
 """
 NEW_COLUMNS = (("priority", "REAL NOT NULL DEFAULT 1.0"), ("times_sampled", "INTEGER NOT NULL DEFAULT 0"),
                ("inserted_ms", "INTEGER NOT NULL DEFAULT 0"), ("seg", "TEXT"), ("off", "INTEGER"), ("len", "INTEGER"))
-MAX_CHUNK = 64  # groups per insert transaction: bounds how long an insert holds the lock
+MAX_CHUNK = 256  # groups per insert transaction (group commit): bounds how long an insert holds the lock
 COMPACT_EVERY_S = 5.0  # how often inserts look for sparse payload segments to compact
 CHECKPOINT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def validate_group(group: common_pb2.RolloutGroup, field: str = "group") -> None:
+    """INVALID_ARGUMENT naming the field unless ``group`` (a RolloutGroup or its wire view) can be stored.
+
+    The checks run on every inserted group, so they are cheap tests first and the messages (field
+    names, formatted values) are built only for a group that fails one (``_refuse_group``)."""
+    gid = group.group_id
+    trajectories = group.trajectories
+    if not gid or not trajectories:
+        _refuse_group(group, field)
+    for t in trajectories:
+        tokens, logprobs, malformed = array_lengths(t)  # a wire view (wire.py) is counted, not decoded
+        tgid, reward = t.group_id, t.reward
+        if (malformed or tokens != logprobs or not tokens or (tgid and tgid != gid) or t.policy_version < 0
+                or not t.HasField("reward") or reward.status != common_pb2.REWARD_STATUS_OK
+                or not math.isfinite(reward.total)):
+            _refuse_group(group, field)
+
+
+def _refuse_group(group, field: str) -> None:
+    """Raise INVALID_ARGUMENT naming the first field of ``group`` that is wrong."""
     require(bool(group.group_id), f"{field}.group_id", "required")
     require(len(group.trajectories) > 0, f"{field}.trajectories", "empty group")
     for i, t in enumerate(group.trajectories):
         f = f"{field}.trajectories[{i}]"
-        require(len(t.completion_token_ids) == len(t.completion_logprobs), f"{f}.completion_logprobs",
-                f"{len(t.completion_logprobs)} logprobs for {len(t.completion_token_ids)} completion tokens")
-        require(len(t.completion_token_ids) > 0, f"{f}.completion_token_ids", "empty completion")
+        tokens, logprobs, malformed = array_lengths(t)
+        require(malformed is None, f"{f}.{malformed}", "malformed packed array")
+        require(tokens == logprobs, f"{f}.completion_logprobs", f"{logprobs} logprobs for {tokens} completion tokens")
+        require(tokens > 0, f"{f}.completion_token_ids", "empty completion")
         require(not t.group_id or t.group_id == group.group_id, f"{f}.group_id",
                 f"{t.group_id!r} in group {group.group_id!r}")
         require(t.policy_version >= 0, f"{f}.policy_version", f"must be >= 0, got {t.policy_version}")
@@ -81,6 +102,7 @@ def validate_group(group: common_pb2.RolloutGroup, field: str = "group") -> None
         require(t.reward.status == common_pb2.REWARD_STATUS_OK, f"{f}.reward.status",
                 f"reward not OK: {[c.error for c in t.reward.components if c.error]}")
         require(math.isfinite(t.reward.total), f"{f}.reward.total", "NaN or inf")
+    raise AssertionError("unreachable: validate_group found a fault _refuse_group did not")
 
 
 def validate_priority(priority: float, field: str) -> None:
@@ -171,6 +193,10 @@ class ReplayStore:
         delete payload segments nothing references (left by a crash or a restore)."""
         self.log.live.clear()
         self._where.clear()
+        # seqs are assigned by inserts (see _insert_chunk), past every seq ever used
+        used = [self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM items").fetchone()[0],
+                *(r[0] for r in self._db.execute("SELECT seq FROM sqlite_sequence WHERE name='items'"))]
+        self._next_seq = 1 + max(used)
         self._deferred.clear()
         self._dirty.clear()
         configured = sorted(self.configs)
@@ -294,7 +320,7 @@ class ReplayStore:
         for g, p, f, raw in zip(groups, priorities, fields, payloads):
             validate_group(g, f)
             if p is not None:
-                validate_priority(p, f"{f.removesuffix('.group')}.priority")
+                validate_priority(p, _priority_field(f))
             versions = [tr.policy_version for tr in g.trajectories]
             out.append(Prepared(g.group_id, g.task.domain, min(versions), max(versions), p,
                                 raw if raw is not None else g.SerializeToString(), f))
@@ -336,36 +362,52 @@ class ReplayStore:
                 f"max_diff {lim.max_diff}")
 
     def _insert_chunk(self, t: Table, chunk: list[Prepared], result: InsertResult) -> None:
+        """One transaction's worth of groups, written in bulk: one dedup query, one ``writev`` of
+        the payloads, one ``executemany`` of the rows; seqs are assigned here (not by SQLite) so
+        the in-memory adds, evictions and removals can follow the per-group order exactly."""
         now_ms = int(time.time() * 1000)
         ids = [p.group_id for p in chunk]
         known = {r[0] for r in self._db.execute(
             f"SELECT group_id FROM items WHERE tbl=? AND group_id IN ({','.join('?' * len(ids))})", [t.name, *ids])}
+        # pass 1: decide each group's fate in order, as if the versions were observed one by one
+        lag, version = t.config.max_policy_lag, t.policy_version
+        fates: list[tuple[Prepared, str]] = []
         for p in chunk:
-            self._persist(t, t.observe_version(p.newest_version))
+            version = max(version, p.newest_version)
             if p.group_id in known:
+                fates.append((p, "duplicate"))
+                continue
+            known.add(p.group_id)
+            fates.append((p, "stale" if lag >= 0 and p.oldest_version < version - lag else "live"))
+        places = iter(self.log.append_many([p.payload for p, fate in fates if fate == "live"]))
+        rows, removed = [], []
+        # pass 2: rows, then the in-memory table in the same order
+        for p, fate in fates:
+            removed += t.observe_version(p.newest_version)
+            if fate == "duplicate":
                 t.duplicates += 1
                 result.duplicates += 1
                 continue
-            known.add(p.group_id)
+            seq = self._next_seq
+            self._next_seq += 1
             priority = p.priority if p.priority is not None else t.initial_priority()
-            if p.oldest_version < t.min_version():  # too stale already: remember the key, store nothing
-                self._db.execute("INSERT INTO items (tbl, group_id, domain, policy_version, removed, priority, "
-                                 "inserted_ms) VALUES (?,?,?,?,?,?,?)",
-                                 (t.name, p.group_id, p.domain, p.oldest_version, int(Removal.STALE_ON_INSERT),
-                                  priority, now_ms))
+            if fate == "stale":  # too stale already: remember the key, store nothing
+                rows.append((seq, t.name, p.group_id, p.domain, p.oldest_version, int(Removal.STALE_ON_INSERT),
+                             priority, now_ms, None, None, None))
                 t.removed[Removal.STALE_ON_INSERT] += 1
                 result.stale += 1
                 continue
-            seg, off = self.log.append(p.payload)
-            seq = self._db.execute(
-                "INSERT INTO items (tbl, group_id, domain, policy_version, priority, inserted_ms, seg, off, len) "
-                "VALUES (?,?,?,?,?,?,?,?,?)",
-                (t.name, p.group_id, p.domain, p.oldest_version, priority, now_ms, seg, off, len(p.payload))).lastrowid
+            seg, off = next(places)
+            rows.append((seq, t.name, p.group_id, p.domain, p.oldest_version, 0, priority, now_ms, seg, off,
+                         len(p.payload)))
             self._where[seq] = (seg, off, len(p.payload))
-            removed = t.add(seq, p.group_id, p.domain, p.oldest_version, priority, p.payload, now_ms)
-            self._persist(t, removed)
+            evicted = t.add(seq, p.group_id, p.domain, p.oldest_version, priority, p.payload, now_ms)
+            removed += evicted
             result.inserted += 1
-            result.evicted += len(removed)
+            result.evicted += len(evicted)
+        self._db.executemany("INSERT INTO items (seq, tbl, group_id, domain, policy_version, removed, priority, "
+                             "inserted_ms, seg, off, len) VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows)
+        self._persist(t, removed)
 
     # -- sample ----------------------------------------------------------------------------------
     def sample(self, table: str, batch_size: int, timeout: float, max_batch: int,
@@ -523,6 +565,15 @@ class ReplayStore:
             self._cond.notify_all()
             self._db.close()
             self.log.close()
+
+
+def _priority_field(group_field: str) -> str:
+    """Where a group's priority sits in the request: ``x.group`` -> ``x.priority``,
+    ``x.groups[j]`` -> ``x.priorities[j]``, ``groups[j]`` -> ``groups[j].priority``."""
+    if group_field.endswith(".group"):
+        return group_field.removesuffix(".group") + ".priority"
+    m = re.fullmatch(r"(.+)\.groups\[(\d+)\]", group_field)
+    return f"{m[1]}.priorities[{m[2]}]" if m else f"{group_field}.priority"
 
 
 def _fsync(path: Path) -> None:
