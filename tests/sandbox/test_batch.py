@@ -247,3 +247,15 @@ def test_bad_batch_request(request, mode, request_, field):
         c.stub.RunTestsBatch(request_, timeout=30)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details().startswith(f"{field}:"), e.value.details()
+
+
+def test_a_group_answer_fits_one_message(batch_client):
+    """Five programs printing 15 MiB each (75 MiB, above gRPC's 64 MiB): judged on all of it, the
+    group's kept output is capped as one call's (48 MiB), later programs truncated."""
+    loud = "import sys\nsys.stdout.write('x' * (15 << 20))\n"
+    resp = batch(batch_client, [loud] * 5, [{"stdin": "", "expected_stdout": "x" * 10}], wall_seconds=30,
+                 max_output_bytes=16 << 20)
+    results = [r.results[0] for r in resp.results]
+    assert [verdict(r) for r in results] == ["WRONG_ANSWER"] * 5
+    assert sum(len(r.stdout) + len(r.stderr) for r in results) <= 48 << 20
+    assert not results[0].output_truncated and results[-1].output_truncated

@@ -472,7 +472,8 @@ class Executor:
         for i, item in enumerate(items):
             validate(item.program, self.languages, self.policy, prefix=f"programs[{i}].program.", tests=item.tests,
                      tests_prefix=f"programs[{i}].")
-        out = []
+        out: list[TestsResult] = []
+        kept = 0  # output bytes kept so far: the whole group's answer must fit one gRPC message
         with self.admission.slot() as queued:
             sessions = _Sessions(self)
             try:
@@ -482,7 +483,8 @@ class Executor:
                     else:
                         sessions.close()
                     out.append(self._run(item.program, item.tests, item.stop_on_first_failure, item.output_match,
-                                         sessions))
+                                         sessions, self.policy.max_kept_output_bytes - kept))
+                    kept += sum(len(r.stdout) + len(r.stderr) for r in out[-1].results)
             finally:
                 sessions.close()
         for r in out:
@@ -501,7 +503,9 @@ class Executor:
 
     # one program: compile once per sandbox, then every case on a fresh copy of the workdir
     def _run(self, program: Program, cases: list[TestCase], stop_on_first_failure: bool,
-             output_match: OutputMatch | None, sessions: _Sessions) -> TestsResult:
+             output_match: OutputMatch | None, sessions: _Sessions, budget: int | None = None) -> TestsResult:
+        """``budget``: output bytes this program's results may keep (default: the policy's per call)."""
+        budget = self.policy.max_kept_output_bytes if budget is None else budget
         lang = self.languages.get(program.language) if program.language else None
         limits = self.policy.resolve(program.limits)
         files = [SourceFile(f.path or lang.source_file, f.content, f.executable) for f in program.files]
@@ -525,7 +529,7 @@ class Executor:
                 result = self._run_case(session, case, program, lang, env, limits, output_match,
                                         more_runs=i + 1 < len(cases))
                 kept = sum(len(r.stdout) + len(r.stderr) for r in results)
-                results.append(_within(result, self.policy.max_kept_output_bytes - kept))
+                results.append(_within(result, budget - kept))
                 if stop_on_first_failure and result.verdict is not Verdict.OK:
                     break
         except SandboxUnavailable as e:
