@@ -10,8 +10,10 @@ in ``blob_sizes``. The agent first says ``{"op": "ready"}``, then answers each r
 
 - ``prepare`` (blobs: file contents): replace ``/stash`` (root-only) with these files.
 - ``warm`` (no blobs): start ``command`` now as ``uid`` with fds 3/4 (a harness, which blocks
-  reading its control pipe) and keep it for the next run with the same command; again after a
-  run whose header says ``more_runs``. It holds nothing of any request until a run hands it one.
+  reading its control pipe; with a fork server, forked from it) and keep it for the next run
+  with the same command and uid; again after a run whose header says ``more_runs`` (or, batch
+  mode, ``warm_uid``: then as that uid, the next run's). It holds nothing of any request until
+  a run hands it one.
 - ``fork_server`` (no blobs; batch mode): start ``command`` (the harness in ``--fork-server``
   mode) as root before any request exists and wait until it says it is ready: a clean
   interpreter past its start-up that forks one process per run (see harness.py). Runs of
@@ -422,9 +424,12 @@ class Agent:
         self.warm_spec = (header["command"], header["env"], header["uid"])
         self.start_warm()
 
-    def start_warm(self) -> None:
+    def start_warm(self, uid: int | None = None) -> None:
+        """Pre-start the warm command (as ``uid``, default the warm uid); with a fork server, as its fork."""
         if self.warm_spec is not None and self.warm is None:
-            self.warm = _Child(*self.warm_spec, limits=None, harness=True)
+            command, env, warm_uid = self.warm_spec
+            self.warm = _Child(command, env, warm_uid if uid is None else uid, limits=None, harness=True,
+                               private=self.server is not None, server=self.server)
 
     def run(self, header: dict, stdin: bytes, control: bytes) -> tuple[dict, list[bytes]]:
         limits, uid, private = header["limits"], header["uid"], bool(header.get("private"))
@@ -547,8 +552,11 @@ def main() -> int:
             elif header["op"] == "run":
                 result, out = agent.run(header, blobs[0], blobs[1])
                 write_frame(write, result, out)
-                if header.get("more_runs"):
-                    agent.start_warm()  # for the next run in this sandbox; after the answer, off its path
+                # for the next run in this sandbox; after the answer, off its path
+                if header.get("warm_uid") is not None:
+                    agent.start_warm(header["warm_uid"])  # batch mode: the next run's uid, as the host expects it
+                elif header.get("more_runs") and agent.server is None:
+                    agent.start_warm()
             else:
                 write_frame(write, {"op": "error", "message": f"unknown op {header['op']!r}"})
         except Exception as e:  # noqa: BLE001 - the host turns this into SANDBOX_ERROR

@@ -323,9 +323,10 @@ class GVisorSandbox:
                 header, _ = self._exchange((start, []), s.boot_timeout_seconds)
                 if header.get("op") != "forking":
                     raise RuntimeError(f"agent could not start the fork server {s.fork_server}: {header}")
-            elif s.warm_command and not s.batch:
+            if s.warm_command and (s.fork_server or not s.batch):
+                # batch mode: the group's first program (uid batch_uid_base) pre-forked from the fork server
                 warm = {"op": "warm", "command": list(s.warm_command), "env": {**self.backend.base_env, **s.warm_env},
-                        "uid": s.uid}
+                        "uid": s.batch_uid_base if s.batch else s.uid}
                 header, _ = self._exchange((warm, []), s.boot_timeout_seconds)
                 if header.get("op") != "warmed":
                     raise RuntimeError(f"agent could not pre-start {s.warm_command}: {header}")
@@ -403,6 +404,15 @@ class GVisorSandbox:
             raise ValueError(f"program index {index} outside a batch sandbox's 0..{s.max_batch_programs - 1}")
         self.uid = s.batch_uid_base + index
 
+    def _warm_uid(self, command: list[str], more_runs: bool) -> int | None:
+        """Batch mode, after a run of the warm command: pre-fork the next run's process, as the uid
+        of this program (more test cases follow) or of the group's next one. None: nothing."""
+        s = self.backend.settings
+        if not s.batch or not s.fork_server or tuple(command) != tuple(s.warm_command):
+            return None
+        uid = self.uid if more_runs else self.uid + 1
+        return uid if uid < s.batch_uid_base + s.max_batch_programs else None
+
     def prepare(self, files: list[SourceFile]) -> None:
         header = {"op": "prepare", "files": [{"path": f.path, "executable": f.executable} for f in files]}
         try:
@@ -416,7 +426,8 @@ class GVisorSandbox:
             control: bytes = b"", stash_after: bool = False, more_runs: bool = False) -> RunFacts:
         s = self.backend.settings
         header = {"op": "run", "command": command, "env": {**self.backend.base_env, **env}, "uid": self.uid,
-                  "stash_after": stash_after, "more_runs": more_runs, "private": s.batch,
+                  "stash_after": stash_after, "more_runs": more_runs, "private": s.batch, "warm_uid": self._warm_uid(
+                      command, more_runs),
                   "limits": {"wall_seconds": limits.wall_seconds, "cpu_seconds": limits.cpu_seconds,
                              "max_processes": limits.max_processes, "max_output_bytes": limits.max_output_bytes}}
         # the run may use its limit on top of what the sandbox holds now (agent, request bytes in flight)
