@@ -159,3 +159,33 @@ def test_sandbox_down_is_retried_then_a_clear_verdict():
         retry.close()
         mark.close()
         nothing.close()
+
+
+@pytest.fixture(scope="module")
+def batch_sandbox(tmp_path_factory):
+    """A sandbox service in execution_mode "batch": a gVisor sandbox per RunTestsBatch call."""
+    from tests.conftest import spawn_service
+
+    svc = spawn_service("sandbox", tmp_path_factory.mktemp("reward-batch-sandbox"), "--no-publish-traces",
+                        "--max-concurrency", "2", "--max-queue", "16", "--execution-mode", "batch")
+    yield svc
+    svc.stop()
+
+
+def test_batched_group_scores_as_one_call_per_program(batch_sandbox, code_scorer):
+    """code.batch_size: a group's distinct programs go in RunTestsBatch calls; the rewards are the same."""
+    texts = [py("print(sum(map(int, input().split())))"), py("print(sum(abs(int(x)) for x in input().split()))"),
+             py("print(42)"), py("while True:\n    pass"), py("import sys\nsys.exit(3)"),
+             "I would use sum() over the input.", py("print(sum(map(int, input().split())))"),
+             py("import os\nopen('/tmp/x', 'w').write('left')\nos.fork() or __import__('time').sleep(100)")]
+    counted = Counting(sandbox_runner(batch_sandbox.address))
+    batched = Scorer(RewardSettings(code=CodeOptions(batch_size=4)), sandbox=counted)
+    try:
+        scored = batched.score_group(group("code", SUM_SUITE, texts))
+    finally:
+        batched.close()
+    assert counted.calls == 2  # 6 distinct programs in calls of up to 4
+    alone = code_scorer.score_group(group("code", SUM_SUITE, texts))
+    assert values(scored) == values(alone) == pytest.approx([1.0, 2 / 3, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0])
+    assert ([component(t, "code.pass_fraction").detail for t in scored.trajectories]
+            == [component(t, "code.pass_fraction").detail for t in alone.trajectories])

@@ -136,6 +136,14 @@ class SandboxClient(_Client):
                   language: str = "python3", stop_on_first_failure: bool = False, exact_output: bool = False,
                   **kw) -> sandbox_pb2.RunTestsResponse:
         """Run against ``tests``: TestCase messages, dicts of its fields, or strings (assertion scripts)."""
+        req = self.tests_request(source, tests, language, stop_on_first_failure, exact_output, **kw)
+        return self.stub.RunTests(req, timeout=self.timeout + len(req.tests) * (req.program.limits.wall_seconds or 10))
+
+    @classmethod
+    def tests_request(cls, source: str | bytes | None, tests: Iterable[sandbox_pb2.TestCase | dict | str],
+                      language: str = "python3", stop_on_first_failure: bool = False, exact_output: bool = False,
+                      **kw) -> sandbox_pb2.RunTestsRequest:
+        """A RunTestsRequest; arguments as for ``run_tests``."""
         def case(t):
             if isinstance(t, str):
                 return sandbox_pb2.TestCase(assertion_script=t)
@@ -144,11 +152,22 @@ class SandboxClient(_Client):
                 return sandbox_pb2.TestCase(**t)
             return t
 
-        cases = [case(t) for t in tests]
-        req = sandbox_pb2.RunTestsRequest(
-            program=self.request(source, language, **kw), tests=cases, stop_on_first_failure=stop_on_first_failure,
+        return sandbox_pb2.RunTestsRequest(
+            program=cls.request(source, language, **kw), tests=[case(t) for t in tests],
+            stop_on_first_failure=stop_on_first_failure,
             output_match=sandbox_pb2.OUTPUT_MATCH_EXACT if exact_output else sandbox_pb2.OUTPUT_MATCH_UNSPECIFIED)
-        return self.stub.RunTests(req, timeout=self.timeout + len(cases) * (req.program.limits.wall_seconds or 10))
+
+    def run_tests_batch(self, sources: Iterable[str | bytes], tests: Iterable[sandbox_pb2.TestCase | dict | str],
+                        language: str = "python3", **kw) -> sandbox_pb2.RunTestsBatchResponse:
+        """Several programs against the same ``tests`` in one call (a GRPO group); ``kw`` as for ``run_tests``.
+
+        Whether they share one sandbox is the service's execution_mode (the response says which).
+        """
+        tests = list(tests)
+        reqs = [self.tests_request(s, tests, language, **kw) for s in sources]
+        per_test = reqs[0].program.limits.wall_seconds if reqs else 0
+        return self.stub.RunTestsBatch(sandbox_pb2.RunTestsBatchRequest(programs=reqs),
+                                       timeout=self.timeout + len(reqs) * len(tests) * (per_test or 10))
 
 
 INSERT_BATCH_BYTES = 1 << 20  # well under the servers' message limit, big enough to amortise a message's cost

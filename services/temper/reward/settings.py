@@ -83,7 +83,11 @@ class CodeOptions(_Strict):
     wall_seconds: float = 0  # per test; 0: the sandbox's default (a task's spec may set its own)
     max_tests: int = Field(default=256, ge=1)
     concurrency: int = Field(default=4, ge=1)  # RunTests calls in flight per group
-    timeout_seconds: float = Field(default=60.0, gt=0)  # gRPC deadline of one RunTests call
+    # 0: one RunTests call per distinct program; N: the group's distinct programs in RunTestsBatch
+    # calls of up to N programs (with the sandbox in execution_mode "batch" they share one gVisor
+    # sandbox per call: far less CPU per program; see the README's sandbox section)
+    batch_size: int = Field(default=0, ge=0)
+    timeout_seconds: float = Field(default=60.0, gt=0)  # gRPC deadline of one RunTests call (per program of a batch)
     retries: int = Field(default=3, ge=0)  # further tries after UNAVAILABLE / DEADLINE_EXCEEDED / SANDBOX_ERROR
     retry_backoff_seconds: float = Field(default=0.5, ge=0)  # doubled after each try
     # the sandbox stays unreachable after the retries: "retry" = the Score call fails UNAVAILABLE and

@@ -10,16 +10,26 @@ in ``blob_sizes``. The agent first says ``{"op": "ready"}``, then answers each r
 
 - ``prepare`` (blobs: file contents): replace ``/stash`` (root-only) with these files.
 - ``warm`` (no blobs): start ``command`` now as ``uid`` with fds 3/4 (a harness, which blocks
-  reading its control pipe) and keep it for the next run with the same command; again after a
-  run whose header says ``more_runs``. It holds nothing of any request until a run hands it one.
-- ``run`` (blobs: stdin, control): reset ``/work`` and ``/tmp`` from ``/stash``, run ``command``
-  as the unprivileged ``uid`` under ``limits``, answer with the facts (exit status, signal, times,
-  peak RSS, why it was killed) and blobs stdout, stderr, report. ``stash_after`` copies ``/work``
-  back to ``/stash`` when the command exits 0 (compile once, run many).
+  reading its control pipe; with a fork server, forked from it) and keep it for the next run
+  with the same command and uid; again after a run whose header says ``more_runs`` (or, batch
+  mode, ``warm_uid``: then as that uid, the next run's). It holds nothing of any request until
+  a run hands it one.
+- ``fork_server`` (no blobs; batch mode): start ``command`` (the harness in ``--fork-server``
+  mode) as root before any request exists and wait until it says it is ready: a clean
+  interpreter past its start-up that forks one process per run (see harness.py). Runs of
+  ``serves`` (the harness's normal command) with a control blob are then forked from it
+  instead of exec'ing a new interpreter.
+- ``run`` (blobs: stdin, control): reset ``/work``, ``/tmp`` and ``/dev/shm`` from ``/stash``, run
+  ``command`` as the unprivileged ``uid`` under ``limits``, answer with the facts (exit status,
+  signal, times, peak RSS, why it was killed) and blobs stdout, stderr, report. ``stash_after``
+  copies ``/work`` back to ``/stash`` when the command exits 0 (compile once, run many).
+  ``private`` (batch mode, where programs of a group follow each other in one sandbox): the
+  workdir is the uid's alone (mode 0700) and the run gets its own System V IPC namespace, so no
+  IPC object of one program is visible to the next.
 
 The agent never judges: verdicts are the host's. Before answering it kills every process of the
-run (``kill(-1)`` from pid 1 reaches all of them) and reaps them, so nothing outlives a run.
-EOF on stdin ends the agent, and with it the sandbox.
+run (every process but itself and the fork server, which run no program code) and reaps them, so
+nothing outlives a run. EOF on stdin ends the agent, and with it the sandbox.
 
 The program sees fd 0/1/2 only, plus — when the request carries a ``control`` blob (a harness) —
 fd 3 (the control bytes, then EOF) and fd 4 (the report pipe, read by the agent).
@@ -27,6 +37,7 @@ fd 3 (the control bytes, then EOF) and fd 4 (the report pipe, read by the agent)
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import json
 import math
@@ -43,7 +54,9 @@ _LEN = struct.Struct("!I")
 MAX_HEADER_BYTES = 1 << 20
 WORK = "/work"
 TMP = "/tmp"
+SHM = "/dev/shm"
 STASH = "/stash"
+CLONE_NEWIPC = 0x08000000
 CHUNK = 1 << 16
 REPORT_LIMIT = 4096
 
@@ -112,12 +125,13 @@ def prepare(files: list[dict], blobs: list[bytes]) -> None:
         os.chmod(path, 0o755 if spec.get("executable") else 0o644)
 
 
-def reset_workdir(uid: int) -> None:
-    _clear(WORK)
-    _clear(TMP)
+def reset_workdir(uid: int, private: bool = False) -> None:
+    for d in (WORK, TMP, SHM):
+        if os.path.isdir(d):
+            _clear(d)
     shutil.copytree(STASH, WORK, symlinks=True, dirs_exist_ok=True)
     _chown_tree(WORK, uid)
-    os.chmod(WORK, 0o755)
+    os.chmod(WORK, 0o700 if private else 0o755)
 
 
 def stash_workdir() -> None:
@@ -126,24 +140,37 @@ def stash_workdir() -> None:
 
 
 # -- one run ----------------------------------------------------------------------------------------
-def _kill_all(timeout: float = 10.0) -> None:
-    """SIGKILL every process but ourselves (pid 1 is exempt from kill(-1)) and reap them all.
+def _kill_all(keep: int = 0, timeout: float = 10.0) -> None:
+    """SIGKILL every process but ourselves (pid 1) and ``keep`` (the fork server), and reap them all.
 
-    kill(-1) is repeated until no child is left: a fork in flight can outlive one round.
+    Without a fork server kill(-1) reaches all of them; with one, every other pid in /proc is
+    killed by pid. Either is repeated until no other process is left: a fork in flight can
+    outlive one round. Orphans of a run are re-parented to us (pid 1), so we reap them.
     """
     deadline = time.monotonic() + timeout
     while True:
-        try:
-            os.kill(-1, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            while os.waitpid(-1, os.WNOHANG)[0]:
+        if keep:
+            others = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, keep)]
+            for pid in others:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        else:
+            try:
+                os.kill(-1, signal.SIGKILL)
+            except ProcessLookupError:
                 pass
+        try:
+            while (pid := os.waitpid(-1, os.WNOHANG)[0]):
+                if pid == keep:
+                    raise RuntimeError("the fork server died")
         except ChildProcessError:
             return  # no child left: nothing of the run survives
+        if keep and not others:
+            return  # only the fork server is left
         if time.monotonic() > deadline:
-            raise RuntimeError("processes of the run survive kill(-1)")
+            raise RuntimeError("processes of the run survive SIGKILL")
         time.sleep(0.002)
 
 
@@ -156,26 +183,36 @@ def _set_limits(limits: dict, pid: int = 0) -> None:
         resource.prlimit(pid, which, value)
 
 
-def _child(command: list[str], env: dict, limits: dict | None, uid: int, fds: dict[int, int]) -> None:
-    """In the forked child: wire fds, drop privileges, set limits, exec. Never returns."""
+def become(uid: int, limits: dict | None, fds: dict[int, int], private: bool) -> None:
+    """In a freshly forked child (of the agent or of the fork server): own session, fds 0..n-1
+    from ``fds`` and no other, cwd the workdir, the run's rlimits, with ``private`` its own IPC
+    namespace, then the unprivileged ``uid`` without capabilities."""
+    os.setsid()
+    high = {target: fcntl.fcntl(source, fcntl.F_DUPFD, 64) for target, source in fds.items()}
+    for target, source in high.items():
+        os.dup2(source, target)  # inheritable; every other fd of ours is close-on-exec (PEP 446)
+    for name in os.listdir("/proc/self/fd"):
+        if int(name) >= len(fds):
+            try:
+                os.close(int(name))
+            except OSError:
+                pass
+    os.chdir(WORK)
+    if private and ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWIPC) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWIPC) failed")
+    if limits is not None:
+        _set_limits(limits)
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)  # a non-root uid: every capability is gone
+    os.umask(0o022)
+
+
+def _child(command: list[str], env: dict, limits: dict | None, uid: int, fds: dict[int, int],
+           private: bool = False) -> None:
+    """In the forked child: set up (``become``), exec. Never returns."""
     try:
-        os.setsid()
-        high = {target: fcntl.fcntl(source, fcntl.F_DUPFD, 64) for target, source in fds.items()}
-        for target, source in high.items():
-            os.dup2(source, target)  # inheritable; every other fd of ours is close-on-exec (PEP 446)
-        for name in os.listdir("/proc/self/fd"):
-            if int(name) >= len(fds):
-                try:
-                    os.close(int(name))
-                except OSError:
-                    pass
-        os.chdir(WORK)
-        if limits is not None:
-            _set_limits(limits)
-        os.setgroups([])
-        os.setresgid(uid, uid, uid)
-        os.setresuid(uid, uid, uid)
-        os.umask(0o022)
+        become(uid, limits, fds, private)
         os.execvpe(command[0], command, env)
     except BaseException as e:  # noqa: BLE001 - report and leave the child with 127, like a shell
         try:
@@ -185,28 +222,115 @@ def _child(command: list[str], env: dict, limits: dict | None, uid: int, fds: di
 
 
 class _Child:
-    """A started program: its pid and our ends of its pipes (control/report only with a harness)."""
+    """A started program: its pid and our ends of its pipes (control/report only with a harness).
 
-    def __init__(self, command: list[str], env: dict, uid: int, limits: dict | None, harness: bool):
+    Forked and exec'ed by us, or (``server``) forked by the fork server and re-parented to us.
+    """
+
+    def __init__(self, command: list[str], env: dict, uid: int, limits: dict | None, harness: bool,
+                 private: bool = False, server: ForkServer | None = None):
         self.key = (command, env, uid)
         ends = {name: os.pipe() for name in ("stdin", "stdout", "stderr", *(("control", "report") if harness else ()))}
         fds = {0: ends["stdin"][0], 1: ends["stdout"][1], 2: ends["stderr"][1]}
         if harness:
             fds.update({3: ends["control"][0], 4: ends["report"][1]})
-        self.pid = os.fork()
-        if self.pid == 0:
-            _child(command, env, limits, uid, fds)
+        self.server = server
+        if server is not None:
+            try:
+                self.pid = server.fork(env, uid, limits, list(fds.values()), private)
+            except BaseException:
+                for fd in (*fds.values(), ends["stdin"][1], ends["stdout"][0], ends["stderr"][0],
+                           *((ends["control"][1], ends["report"][0]) if harness else ())):
+                    os.close(fd)
+                raise
+        else:
+            self.pid = os.fork()
+            if self.pid == 0:
+                _child(command, env, limits, uid, fds, private)
         for fd in fds.values():
             os.close(fd)
         self.stdin, self.stdout, self.stderr = ends["stdin"][1], ends["stdout"][0], ends["stderr"][0]
         self.control = ends["control"][1] if harness else None
         self.report = ends["report"][0] if harness else None
 
-    def discard(self) -> None:
+    def wait(self, block: bool):
+        """(pid or 0, status, rusage) as ``os.wait4`` gives them."""
+        if self.server is not None:
+            return self.server.wait(block)
+        return os.wait4(self.pid, 0 if block else os.WNOHANG)
+
+    def discard(self, keep: int = 0) -> None:
         for fd in (self.stdin, self.stdout, self.stderr, self.control, self.report):
             if fd is not None:
                 os.close(fd)
-        _kill_all()
+        _kill_all(keep)
+
+
+class ForkServer:
+    """The harness in ``--fork-server`` mode, started by us as root before any request exists.
+
+    Per run we send it the run's set-up (env, uid, rlimits, ``private``) and its fds 0..4 over a
+    Unix socket (SCM_RIGHTS); it forks once, answers the child's pid, waits for the child and
+    answers its exit status and rusage. The server itself never sees a request's files, stdin
+    or control bytes, and runs no program code. One run at a time.
+    """
+
+    def __init__(self, command: list[str], serves: list[str], env: dict):
+        import socket
+
+        self.serves = serves
+        self.pending = 0  # the pid whose exit report is still to be read
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock = ours
+        null = os.open(os.devnull, os.O_RDWR)
+        self.pid = os.fork()
+        if self.pid == 0:
+            try:
+                os.setsid()
+                for target, source in ((0, null), (1, null), (3, theirs.fileno())):
+                    os.dup2(source, target)
+                os.chdir("/")
+                os.execvpe(command[0], command, env)
+            finally:
+                os._exit(127)
+        os.close(null)
+        theirs.close()
+        if self.sock.recv(16) != b"ready":
+            raise RuntimeError(f"fork server {command} did not start")
+
+    def _receive(self) -> dict:
+        message = self.sock.recv(4096)
+        if not message:
+            raise RuntimeError("the fork server ended")
+        return json.loads(message)
+
+    def fork(self, env: dict, uid: int, limits: dict | None, fds: list[int], private: bool) -> int:
+        import socket
+
+        if self.pending:
+            self.wait(block=True)
+        spec = json.dumps({"env": env, "uid": uid, "limits": limits, "private": private,
+                           "argv": self.serves[1:]}).encode()
+        socket.send_fds(self.sock, [spec], fds)
+        answer = self._receive()
+        if not answer.get("pid"):
+            raise RuntimeError(f"fork server could not start the run: {answer.get('error', answer)}")
+        self.pending = answer["pid"]
+        return self.pending
+
+    def wait(self, block: bool) -> tuple[int, int, resource.struct_rusage | None]:
+        """Like ``os.wait4(pending, 0 or WNOHANG)``, from the server's exit report."""
+        if not block:
+            self.sock.setblocking(False)
+        try:
+            answer = self._receive()
+        except BlockingIOError:
+            return 0, 0, None
+        finally:
+            self.sock.setblocking(True)
+        self.pending = 0
+        usage = resource.struct_rusage((answer["utime"], answer["stime"], answer["maxrss"]) + (0,) * 13)
+        return answer["exited"], answer["status"], usage
 
 
 class _Pipes:
@@ -286,26 +410,40 @@ class Agent:
         self.wakeup_r = wakeup_r
         self.warm_spec: tuple[list[str], dict, int] | None = None
         self.warm: _Child | None = None
+        self.server: ForkServer | None = None
+
+    @property
+    def keep(self) -> int:
+        """The pid that outlives every run: the fork server's (0: none)."""
+        return self.server.pid if self.server is not None else 0
+
+    def start_fork_server(self, header: dict) -> None:
+        self.server = ForkServer(header["command"], header["serves"], header["env"])
 
     def set_warm(self, header: dict) -> None:
         self.warm_spec = (header["command"], header["env"], header["uid"])
         self.start_warm()
 
-    def start_warm(self) -> None:
+    def start_warm(self, uid: int | None = None) -> None:
+        """Pre-start the warm command (as ``uid``, default the warm uid); with a fork server, as its fork."""
         if self.warm_spec is not None and self.warm is None:
-            self.warm = _Child(*self.warm_spec, limits=None, harness=True)
+            command, env, warm_uid = self.warm_spec
+            self.warm = _Child(command, env, warm_uid if uid is None else uid, limits=None, harness=True,
+                               private=self.server is not None, server=self.server)
 
     def run(self, header: dict, stdin: bytes, control: bytes) -> tuple[dict, list[bytes]]:
-        limits, uid = header["limits"], header["uid"]
-        reset_workdir(uid)
+        limits, uid, private = header["limits"], header["uid"], bool(header.get("private"))
+        reset_workdir(uid, private)
         warm, self.warm = self.warm, None
         if warm is not None and control and warm.key == (header["command"], header["env"], uid):
             child = warm
             _set_limits(limits, child.pid)
         else:
             if warm is not None:
-                warm.discard()
-            child = _Child(header["command"], header["env"], uid, limits, harness=bool(control))
+                warm.discard(self.keep)
+            server = self.server if control and self.server and header["command"] == self.server.serves else None
+            child = _Child(header["command"], header["env"], uid, limits, harness=bool(control), private=private,
+                           server=server)
         result, out = self._collect(child, stdin, control, limits)
         if header.get("stash_after") and result["killed"] is None and result["exit_code"] == 0:
             stash_workdir()
@@ -316,6 +454,8 @@ class Agent:
         sel.register(self.wakeup_r, selectors.EVENT_READ)
         pipes = _Pipes(sel, {"stdout": limits["max_output_bytes"], "stderr": limits["max_output_bytes"],
                              "report": REPORT_LIMIT})
+        if child.server is not None:
+            sel.register(child.server.sock, selectors.EVENT_READ)  # its exit report
         pipes.add_reader(child.stdout, "stdout")
         pipes.add_reader(child.stderr, "stderr")
         if child.report is not None:
@@ -328,7 +468,7 @@ class Agent:
         status = rusage = None
         deadline = start + limits["wall_seconds"]
         while True:
-            done, status, rusage = os.wait4(child.pid, os.WNOHANG)
+            done, status, rusage = child.wait(block=False)
             if done:
                 break
             if pipes.total["stdout"] > limits["max_output_bytes"]:
@@ -341,18 +481,23 @@ class Agent:
             for key, _ in sel.select(min(remaining, 1.0)):
                 if key.fd == self.wakeup_r:
                     os.read(self.wakeup_r, 4096)  # SIGCHLD: loop round to wait4
+                elif child.server is not None and key.fd == child.server.sock.fileno():
+                    pass  # the exit report: read at the top of the loop
                 elif key.fd in pipes.writers:
                     pipes.write_some(key.fd)
                 elif key.fd in pipes.readers:
                     pipes.read_some(key.fd)
         wall = time.monotonic() - start
         if killed:
-            try:
-                os.kill(-1, signal.SIGKILL)  # the program and all it started; its zombie waits for wait4
-            except ProcessLookupError:
-                pass
-            _, status, rusage = os.wait4(child.pid, 0)
-        _kill_all()
+            if self.keep:
+                os.kill(child.pid, signal.SIGKILL)  # the rest follows in _kill_all
+            else:
+                try:
+                    os.kill(-1, signal.SIGKILL)  # the program and all it started; its zombie waits for wait4
+                except ProcessLookupError:
+                    pass
+            _, status, rusage = child.wait(block=True)
+        _kill_all(self.keep)
         pipes.finish()
         sel.close()
         result = {
@@ -401,15 +546,21 @@ def main() -> int:
             elif header["op"] == "warm":
                 agent.set_warm(header)
                 write_frame(write, {"op": "warmed"})
+            elif header["op"] == "fork_server":
+                agent.start_fork_server(header)
+                write_frame(write, {"op": "forking", "pid": agent.server.pid})
             elif header["op"] == "run":
                 result, out = agent.run(header, blobs[0], blobs[1])
                 write_frame(write, result, out)
-                if header.get("more_runs"):
-                    agent.start_warm()  # for the next run in this sandbox; after the answer, off its path
+                # for the next run in this sandbox; after the answer, off its path
+                if header.get("warm_uid") is not None:
+                    agent.start_warm(header["warm_uid"])  # batch mode: the next run's uid, as the host expects it
+                elif header.get("more_runs") and agent.server is None:
+                    agent.start_warm()
             else:
                 write_frame(write, {"op": "error", "message": f"unknown op {header['op']!r}"})
         except Exception as e:  # noqa: BLE001 - the host turns this into SANDBOX_ERROR
-            _kill_all()
+            _kill_all(agent.keep)
             agent.warm = None
             write_frame(write, {"op": "error", "message": f"{type(e).__name__}: {e}"})
 

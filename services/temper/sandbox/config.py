@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -37,6 +38,7 @@ class LanguageConfig(BaseModel):
     run: list[str]
     compile: list[str] = []
     test_harness: list[str] = []
+    fork_server: list[str] = []
     harness_runs: bool = False
     extensions: list[str] = []
     env: dict[str, str] = {}
@@ -68,6 +70,14 @@ class SandboxConfig(ServiceConfig):
                                                                  "languages.toml")
     warm_language: str = Field("python3", description="pooled sandboxes hold this language's harness started ahead "
                                                       '("" = none)')
+    execution_mode: Literal["isolated", "batch"] = Field(
+        "isolated", description='"isolated": a fresh gVisor sandbox per program (per Execute/RunTests call, per '
+                                'program of a RunTestsBatch); "batch": a fresh sandbox per call, shared by the '
+                                "programs of a RunTestsBatch one after the other, each as its own uid with a private "
+                                "workdir and IPC namespace, Python runs forked from the warm language's fork_server "
+                                "(see the README's sandbox section)")
+    batch_uid_base: int = Field(10000, ge=1000, description="batch mode: program i of a group runs as this uid + i")
+    max_batch_programs: int = Field(64, ge=1, le=1024, description="most programs in one RunTestsBatch call")
 
     runsc: str = Field("runsc", description="the gVisor runsc binary (name on PATH or path)")
     runsc_platform: str = Field("ptrace", description="kvm hangs here (nested virtualisation); systrap is newer than "
@@ -111,7 +121,10 @@ class SandboxConfig(ServiceConfig):
         warm = self.language_presets().get(self.warm_language) if self.warm_language else None
         if self.warm_language and (warm is None or not warm.test_harness):
             raise ValueError(f"warm_language {self.warm_language!r} is not a language with a test_harness")
+        batch = self.execution_mode == "batch"
         return RunscSettings(
+            batch=batch, batch_uid_base=self.batch_uid_base, max_batch_programs=self.max_batch_programs,
+            fork_server=warm.fork_server if batch and warm else (),
             warm_command=warm.test_harness if warm else (), warm_env=dict(warm.env) if warm else {},
             runsc=self.runsc, platform=self.runsc_platform, extra_flags=tuple(self.runsc_flags), python=self.python,
             binds=tuple(self.binds), state_dir=self.data_dir, workdir_mb=self.workdir_mb, cpus=self.sandbox_cpus,
@@ -126,5 +139,6 @@ def build_executor(config: SandboxConfig, pool_size: int | None = None) -> tuple
     requested = config.pool_size if pool_size is None else pool_size
     pool = SandboxPool(RunscBackend(config.runsc_settings()), concurrency if requested < 0 else requested)
     executor = Executor(pool.acquire, pool.release, config.language_presets(), config.policy(), concurrency,
-                        config.max_queue)
+                        config.max_queue, batch=config.execution_mode == "batch",
+                        max_batch_programs=config.max_batch_programs)
     return executor, pool

@@ -1,10 +1,15 @@
 """Sandbox domain logic: requests, limits, verdicts, test judging, admission. No gRPC, no runsc.
 
-``Executor`` takes a fresh sandbox session per program from a backend (``runsc.SandboxPool``
+``Executor`` takes a fresh sandbox session per call from a backend (``runsc.SandboxPool``
 implements it with gVisor), prepares the files, compiles once if the language compiles, runs
 every test case in that session (each on a fresh copy of the workdir), and turns what the sandbox
 observed (``RunFacts``: exit status, times, peak RSS, why it was killed, outputs) into verdicts.
 If a sandbox dies under a test (memory limit), the next test gets a fresh one.
+
+Modes (``Executor(batch=...)``): isolated, one session per program (``run_batch`` runs each
+program of a group in its own); batch, one session per call, shared by the programs of a
+``run_batch`` group one after the other, each announced with ``Session.begin(i)`` (the backend
+gives program i its own uid and wipes what the previous one left).
 
 Pass criteria:
 - stdin/stdout test: the run is OK and its stdout matches the expected stdout;
@@ -69,6 +74,7 @@ class Language:
     run: tuple[str, ...]
     compile: tuple[str, ...] = ()
     test_harness: tuple[str, ...] = ()
+    fork_server: tuple[str, ...] = ()  # batch mode: the harness pre-started as a fork server (see harness.py)
     harness_runs: bool = False  # plain runs go through test_harness too ("run" mode; see harness.py)
     extensions: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
@@ -174,11 +180,25 @@ class SandboxUnavailable(Exception):
     """No sandbox could be had (runsc failing to boot, shutting down): the verdict is SANDBOX_ERROR."""
 
 
+@dataclass
+class BatchItem:
+    """One program of a ``run_batch`` group with its tests."""
+
+    program: Program
+    tests: list[TestCase]
+    stop_on_first_failure: bool = False
+    output_match: OutputMatch = OutputMatch.TRAILING_WHITESPACE
+
+
 class Session(Protocol):
-    """One fresh sandbox, used for one program (its compilation and all its test runs)."""
+    """One fresh sandbox, used for one program (its compilation and all its test runs), or in
+    batch mode for the programs of one group, one after the other."""
 
     @property
     def alive(self) -> bool: ...
+
+    def begin(self, index: int) -> None:
+        """Batch mode: the following runs are program ``index`` of the group's."""
 
     def prepare(self, files: list[SourceFile]) -> None: ...
 
@@ -206,8 +226,9 @@ def _check_path(path: str, where: str) -> None:
 
 
 def validate(program: Program, languages: Mapping[str, Language], policy: Policy, prefix: str = "",
-             tests: list[TestCase] | None = None) -> None:
-    """Raise InvalidArgument naming the offending field (``prefix`` + its name)."""
+             tests: list[TestCase] | None = None, tests_prefix: str = "") -> None:
+    """Raise InvalidArgument naming the offending field (``prefix`` + its name; ``tests_prefix``
+    + ``tests...`` for the test cases)."""
     lang = languages.get(program.language) if program.language else None
     require(not program.language or lang is not None, f"{prefix}language",
             f"unknown language {program.language!r}; known: {', '.join(sorted(languages))}")
@@ -235,19 +256,21 @@ def validate(program: Program, languages: Mapping[str, Language], policy: Policy
     _check_limits(program.limits, policy.maxima, prefix)
     if tests is None:
         return
-    require(len(tests) > 0, "tests", "at least one test case is required")
-    require(len(tests) <= policy.max_tests, "tests", f"{len(tests)} test cases, above the maximum {policy.max_tests}")
+    tp = tests_prefix
+    require(len(tests) > 0, f"{tp}tests", "at least one test case is required")
+    require(len(tests) <= policy.max_tests, f"{tp}tests",
+            f"{len(tests)} test cases, above the maximum {policy.max_tests}")
     for i, t in enumerate(tests):
-        require(len(t.stdin) <= policy.max_stdin_bytes, f"tests[{i}].stdin",
+        require(len(t.stdin) <= policy.max_stdin_bytes, f"{tp}tests[{i}].stdin",
                 f"{len(t.stdin)} bytes, above the maximum {policy.max_stdin_bytes}")
-        require(len(t.expected_stdout) <= policy.max_stdin_bytes, f"tests[{i}].expected_stdout",
+        require(len(t.expected_stdout) <= policy.max_stdin_bytes, f"{tp}tests[{i}].expected_stdout",
                 f"{len(t.expected_stdout)} bytes, above the maximum {policy.max_stdin_bytes}")
         if t.assertion_script:
-            require(not t.expected_stdout, f"tests[{i}].expected_stdout",
+            require(not t.expected_stdout, f"{tp}tests[{i}].expected_stdout",
                     "must be empty for an assertion test (the script is the check)")
-            require(lang is not None and bool(lang.test_harness), f"tests[{i}].assertion_script",
+            require(lang is not None and bool(lang.test_harness), f"{tp}tests[{i}].assertion_script",
                     f"language {program.language!r} has no assertion-test harness")
-            require(len(t.assertion_script.encode()) <= policy.max_script_bytes, f"tests[{i}].assertion_script",
+            require(len(t.assertion_script.encode()) <= policy.max_script_bytes, f"{tp}tests[{i}].assertion_script",
                     f"above the maximum {policy.max_script_bytes} bytes")
 
 
@@ -374,21 +397,58 @@ class Admission:
 
 
 # -- the executor -----------------------------------------------------------------------------------
+class _Sessions:
+    """The session(s) of one call: the current one while alive, a fresh one when it is not.
+
+    ``index`` >= 0 (batch mode): every session used is told which program of the group it runs.
+    """
+
+    def __init__(self, executor: Executor):
+        self._executor = executor
+        self.session: Session | None = None
+        self.index = -1
+
+    def get(self) -> Session:
+        if self.session is None or not self.session.alive:
+            self.close()
+            self.session = self._executor._open()
+            if self.index >= 0:
+                self.session.begin(self.index)
+        return self.session
+
+    def program(self, index: int) -> None:
+        self.index = index
+        if self.session is not None and self.session.alive:
+            self.session.begin(index)
+
+    def close(self) -> None:
+        if self.session is not None:
+            self._executor._release(self.session)
+            self.session = None
+
+
 class Executor:
     """Runs programs and test suites in sandboxes from ``open_session``; thread-safe."""
 
     def __init__(self, open_session: Callable[[], Session], release_session: Callable[[Session], None],
-                 languages: Mapping[str, Language], policy: Policy, max_concurrency: int, max_queue: int):
+                 languages: Mapping[str, Language], policy: Policy, max_concurrency: int, max_queue: int,
+                 batch: bool = False, max_batch_programs: int = 64):
         self._open = open_session
         self._release = release_session
         self.languages = dict(languages)
         self.policy = policy
         self.admission = Admission(max_concurrency, max_queue)
+        self.batch = batch
+        self.max_batch_programs = max_batch_programs
+
+    @property
+    def mode(self) -> str:
+        return "batch" if self.batch else "isolated"
 
     def execute(self, program: Program) -> Result:
         validate(program, self.languages, self.policy)
         with self.admission.slot() as queued:
-            out = self._run(program, [TestCase(stdin=program.stdin)], False, None)
+            out = self._one(program, [TestCase(stdin=program.stdin)], False, None)
         result = out.compile if out.compile_verdict is not Verdict.OK else out.results[0]
         return replace(result, queue_seconds=queued)
 
@@ -396,28 +456,69 @@ class Executor:
                   output_match: OutputMatch = OutputMatch.TRAILING_WHITESPACE) -> TestsResult:
         validate(program, self.languages, self.policy, prefix="program.", tests=tests)
         with self.admission.slot() as queued:
-            out = self._run(program, tests, stop_on_first_failure, output_match)
+            out = self._one(program, tests, stop_on_first_failure, output_match)
         out.queue_seconds = queued
         return out
 
+    def run_batch(self, items: list[BatchItem]) -> list[TestsResult]:
+        """A group of programs, each with its tests; one admission slot for the whole group.
+
+        Batch mode: one sandbox for the group (a fresh one only if a program killed it), the
+        programs one after the other. Isolated mode: a fresh sandbox per program.
+        """
+        require(len(items) > 0, "programs", "at least one program is required")
+        require(len(items) <= self.max_batch_programs, "programs",
+                f"{len(items)} programs, above the maximum {self.max_batch_programs}")
+        for i, item in enumerate(items):
+            validate(item.program, self.languages, self.policy, prefix=f"programs[{i}].program.", tests=item.tests,
+                     tests_prefix=f"programs[{i}].")
+        out: list[TestsResult] = []
+        kept = 0  # output bytes kept so far: the whole group's answer must fit one gRPC message
+        with self.admission.slot() as queued:
+            sessions = _Sessions(self)
+            try:
+                for i, item in enumerate(items):
+                    if self.batch:
+                        sessions.program(i)
+                    else:
+                        sessions.close()
+                    out.append(self._run(item.program, item.tests, item.stop_on_first_failure, item.output_match,
+                                         sessions, self.policy.max_kept_output_bytes - kept))
+                    kept += sum(len(r.stdout) + len(r.stderr) for r in out[-1].results)
+            finally:
+                sessions.close()
+        for r in out:
+            r.queue_seconds = queued
+        return out
+
+    def _one(self, program: Program, cases: list[TestCase], stop_on_first_failure: bool,
+             output_match: OutputMatch | None) -> TestsResult:
+        sessions = _Sessions(self)
+        if self.batch:
+            sessions.program(0)
+        try:
+            return self._run(program, cases, stop_on_first_failure, output_match, sessions)
+        finally:
+            sessions.close()
+
     # one program: compile once per sandbox, then every case on a fresh copy of the workdir
     def _run(self, program: Program, cases: list[TestCase], stop_on_first_failure: bool,
-             output_match: OutputMatch | None) -> TestsResult:
+             output_match: OutputMatch | None, sessions: _Sessions, budget: int | None = None) -> TestsResult:
+        """``budget``: output bytes this program's results may keep (default: the policy's per call)."""
+        budget = self.policy.max_kept_output_bytes if budget is None else budget
         lang = self.languages.get(program.language) if program.language else None
         limits = self.policy.resolve(program.limits)
         files = [SourceFile(f.path or lang.source_file, f.content, f.executable) for f in program.files]
         env = dict(lang.env) if lang else {}
         results: list[Result] = []
         compile_result: Result | None = None
-        session: Session | None = None
+        prepared: Session | None = None  # the session holding this program's files
         try:
             for i, case in enumerate(cases):
-                if session is None or not session.alive:
-                    if session is not None:
-                        self._release(session)
-                        session = None
-                    session = self._open()
+                session = sessions.get()
+                if session is not prepared:
                     session.prepare(files)
+                    prepared = session
                     if lang is not None and lang.compile:
                         facts = session.run(list(lang.compile), env, b"", self.policy.compile_limits, stash_after=True,
                                             more_runs=True)
@@ -428,14 +529,11 @@ class Executor:
                 result = self._run_case(session, case, program, lang, env, limits, output_match,
                                         more_runs=i + 1 < len(cases))
                 kept = sum(len(r.stdout) + len(r.stderr) for r in results)
-                results.append(_within(result, self.policy.max_kept_output_bytes - kept))
+                results.append(_within(result, budget - kept))
                 if stop_on_first_failure and result.verdict is not Verdict.OK:
                     break
         except SandboxUnavailable as e:
             results.append(Result(Verdict.SANDBOX_ERROR, message=str(e)))
-        finally:
-            if session is not None:
-                self._release(session)
         return TestsResult(results, sum(r.verdict is Verdict.OK for r in results), Verdict.OK, compile_result)
 
     def _run_case(self, session: Session, case: TestCase, program: Program, lang: Language | None,
@@ -468,7 +566,8 @@ def load_languages(tables: Mapping[str, Mapping]) -> dict[str, Language]:
     for name, t in tables.items():
         lang = Language(name=name, source_file=t["source_file"], run=tuple(t["run"]),
                         compile=tuple(t.get("compile", ())), test_harness=tuple(t.get("test_harness", ())),
-                        harness_runs=bool(t.get("harness_runs", False)), extensions=tuple(t.get("extensions", ())),
+                        fork_server=tuple(t.get("fork_server", ())), harness_runs=bool(t.get("harness_runs", False)),
+                        extensions=tuple(t.get("extensions", ())),
                         env=dict(t.get("env", {})), aliases=tuple(t.get("aliases", ())))
         for key in (name, *lang.aliases):
             if key in owner and owner[key] != name:

@@ -1,6 +1,7 @@
 """Python runner and assertion-test harness: runs inside the sandbox, as the program's own uid.
 
     python3 /grader/harness.py main.py      fd 3: control; fd 4: report (the agent reads it)
+    python3 /grader/harness.py --fork-server    fd 3: the agent's socket (batch mode, see below)
 
 The control pipe starts with the mode: ``run `` (run main.py exactly as ``python3 main.py``
 would: ``__main__``, ``sys.argv``, ``sys.path[0]``, exit status) or ``test`` followed by a 32-byte
@@ -26,6 +27,15 @@ by code the program can reach, and only when the harness itself reaches its last
   never seen (the "always equal" override), recursively inside lists, tuples, sets and dicts;
 - builtins replaced by the program, and Python functions planted in ``math``/``cmath``, fail the
   run after the tests.
+
+Fork-server mode (batch mode: the programs of a group follow each other in one sandbox): the
+agent starts this script as root before any request exists; ``_fork_server`` loads nothing of any
+request and, per run, receives the run's set-up and fds 0..4, forks twice (the program's process
+is re-parented to the agent, which waits for it) and in the new process sets it up exactly as
+the agent does before an exec (``agent.become``: own session, fds, workdir, rlimits, own IPC
+namespace, the program's uid without capabilities) and returns: the process then runs
+``main()`` below like a freshly started harness, minus the interpreter's start-up. Every
+program thus starts from the same clean interpreter state; only the hash seed is shared.
 
 Known limit: code running in the same interpreter can still read the test's values through
 frames (``sys._getframe(1).f_locals``) or patch modules other than the checked ones.
@@ -230,4 +240,62 @@ def main():
     sys.audit(FINISH)
 
 
+def _fork_server():
+    """Serve the agent's fork requests on fd 3; returns only in a run's process, set up as the run's.
+
+    Per request: fork; answer the child's pid; wait for it; answer its exit status and rusage
+    (the agent, pid 1, reaps whatever the program left behind).
+    """
+    import gc
+    import json
+    import socket
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import agent  # the one definition of a run's set-up
+
+    del sys.path[0]
+    become = agent.become
+    del sys.modules["agent"]  # a program importing "agent" gets what it would get elsewhere
+    sock = socket.socket(fileno=3)
+    gc.collect()
+    gc.freeze()  # a child's collections then leave the server's objects (and their pages) alone
+    sock.send(b"ready")
+    while True:
+        try:
+            message, fds, _, _ = socket.recv_fds(sock, 1 << 20, 8)
+        except OSError:
+            os._exit(0)
+        if not message:
+            os._exit(0)  # the agent is gone: so is the sandbox
+        spec = json.loads(message)
+        try:
+            pid = os.fork()
+        except OSError as e:
+            for fd in fds:
+                os.close(fd)
+            sock.send(json.dumps({"error": f"fork: {e}"}).encode())
+            continue
+        if pid == 0:
+            try:
+                sock.close()
+                become(spec["uid"], spec["limits"], dict(enumerate(fds)), spec["private"])
+                os.environ.clear()
+                os.environ.update(spec["env"])
+                sys.argv = spec["argv"]
+                return
+            except BaseException as e:  # noqa: BLE001 - like the agent's exec failing: status 127
+                try:
+                    os.write(2, f"sandbox: cannot start the run: {e}\n".encode())
+                finally:
+                    os._exit(127)
+        for fd in fds:
+            os.close(fd)
+        sock.send(json.dumps({"pid": pid}).encode())
+        _, status, usage = os.wait4(pid, 0)
+        sock.send(json.dumps({"exited": pid, "status": status, "utime": usage.ru_utime, "stime": usage.ru_stime,
+                              "maxrss": usage.ru_maxrss}).encode())
+
+
+if sys.argv[1:] == ["--fork-server"]:
+    _fork_server()
 main()

@@ -1,8 +1,15 @@
-"""gVisor backend: one ``runsc run`` sandbox per call, booted ahead of time into a warm pool.
+"""gVisor backend: ``runsc run`` sandboxes booted ahead of time into a warm pool.
 
-A pooled sandbox waits with its agent up and, for the warm language (Python), the harness's
-interpreter already started as the program's uid and blocked before reading anything: a call
-then pays for file transfer and the program's own run, not for booting gVisor or Python.
+Isolated mode (the default): one sandbox per call. A pooled sandbox waits with its agent up and,
+for the warm language (Python), the harness's interpreter already started as the program's uid
+and blocked before reading anything: a call then pays for file transfer and the program's own
+run, not for booting gVisor or Python.
+
+Batch mode: one sandbox per group of programs (a RunTestsBatch call), which run one after the
+other, program i as uid ``batch_uid_base + i`` with a private workdir (0700) and its own IPC
+namespace; between programs every process is killed and /work, /tmp, /dev/shm are wiped. A
+pooled batch sandbox holds the warm language's harness as a fork server (root, clean, started
+before any request): each Python run is a fork of it, not a new interpreter.
 
 Isolation of one sandbox (an OCI bundle run by runsc on the ptrace platform):
 - its own gVisor kernel: the program's system calls never reach the host kernel directly;
@@ -68,6 +75,10 @@ class RunscSettings:
     uid: int = 65534
     warm_command: tuple[str, ...] = ()  # pre-started in every sandbox, blocked on its control pipe
     warm_env: Mapping[str, str] = field(default_factory=dict)
+    batch: bool = False  # batch mode: programs of a group share a sandbox (see the module doc)
+    batch_uid_base: int = 10000  # program i of a group runs as this + i
+    max_batch_programs: int = 64
+    fork_server: tuple[str, ...] = ()  # batch mode: started as root at boot; forks the runs of warm_command
 
 
 def check_host(settings: RunscSettings) -> str:
@@ -93,7 +104,7 @@ def _sandbox_python(settings: RunscSettings) -> str:
 
 
 # -- rootfs and bundle ------------------------------------------------------------------------------
-def build_rootfs(state_dir: Path, binds: tuple[str, ...]) -> tuple[Path, Path]:
+def build_rootfs(state_dir: Path, binds: tuple[str, ...], batch_uids: range = range(0)) -> tuple[Path, Path]:
     """An empty read-only skeleton (mount points, /etc of our own) and the grader directory."""
     rootfs = state_dir / "rootfs"
     for d in ("proc", "dev", "etc", "work", "tmp", "stash", "grader", *[b.lstrip("/") for b in binds]):
@@ -103,8 +114,9 @@ def build_rootfs(state_dir: Path, binds: tuple[str, ...]) -> tuple[Path, Path]:
             (rootfs / link).symlink_to(target)
     etc = rootfs / "etc"
     (etc / "passwd").write_text("root:x:0:0:root:/root:/usr/sbin/nologin\n"
-                                "nobody:x:65534:65534:nobody:/work:/usr/sbin/nologin\n")
-    (etc / "group").write_text("root:x:0:\nnogroup:x:65534:\n")
+                                "nobody:x:65534:65534:nobody:/work:/usr/sbin/nologin\n"
+                                + "".join(f"p{u}:x:{u}:{u}::/work:/usr/sbin/nologin\n" for u in batch_uids))
+    (etc / "group").write_text("root:x:0:\nnogroup:x:65534:\n" + "".join(f"p{u}:x:{u}:\n" for u in batch_uids))
     (etc / "hosts").write_text("127.0.0.1 localhost\n::1 localhost\n")
     if os.path.exists("/etc/ld.so.cache"):
         shutil.copyfile("/etc/ld.so.cache", etc / "ld.so.cache")
@@ -130,7 +142,9 @@ def oci_spec(rootfs: Path, grader: Path, settings: RunscSettings, python: str) -
             "args": [python, "-I", "-S", "/grader/agent.py"],
             "env": ["PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8"],
             "cwd": "/",
-            "capabilities": {k: AGENT_CAPS for k in ("bounding", "effective", "permitted")},
+            # batch mode: CAP_SYS_ADMIN for each program's own IPC namespace (dropped with the uid)
+            "capabilities": {k: AGENT_CAPS + (["CAP_SYS_ADMIN"] if settings.batch else [])
+                             for k in ("bounding", "effective", "permitted")},
             "noNewPrivileges": True,
             "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024}],
         },
@@ -278,6 +292,7 @@ class GVisorSandbox:
         self.bundle = backend.bundles / sandbox_id
         self.cgroup = backend.cgroups.sandbox(sandbox_id)
         self.proc: subprocess.Popen | None = None
+        self.uid = backend.settings.uid
         self._dead = False
         self._lock = threading.Lock()
 
@@ -302,9 +317,16 @@ class GVisorSandbox:
             header, _ = self._exchange(None, s.boot_timeout_seconds)
             if header.get("op") != "ready":
                 raise RuntimeError(f"unexpected first frame {header}")
-            if s.warm_command:
+            if s.batch and s.fork_server:
+                start = {"op": "fork_server", "command": list(s.fork_server), "serves": list(s.warm_command),
+                         "env": {**self.backend.base_env, **s.warm_env}}
+                header, _ = self._exchange((start, []), s.boot_timeout_seconds)
+                if header.get("op") != "forking":
+                    raise RuntimeError(f"agent could not start the fork server {s.fork_server}: {header}")
+            if s.warm_command and (s.fork_server or not s.batch):
+                # batch mode: the group's first program (uid batch_uid_base) pre-forked from the fork server
                 warm = {"op": "warm", "command": list(s.warm_command), "env": {**self.backend.base_env, **s.warm_env},
-                        "uid": s.uid}
+                        "uid": s.batch_uid_base if s.batch else s.uid}
                 header, _ = self._exchange((warm, []), s.boot_timeout_seconds)
                 if header.get("op") != "warmed":
                     raise RuntimeError(f"agent could not pre-start {s.warm_command}: {header}")
@@ -375,6 +397,22 @@ class GVisorSandbox:
         finally:
             watchdog.cancel()
 
+    def begin(self, index: int) -> None:
+        """Batch mode: the next runs are program ``index`` of the group's (its own uid)."""
+        s = self.backend.settings
+        if not s.batch or not 0 <= index < s.max_batch_programs:
+            raise ValueError(f"program index {index} outside a batch sandbox's 0..{s.max_batch_programs - 1}")
+        self.uid = s.batch_uid_base + index
+
+    def _warm_uid(self, command: list[str], more_runs: bool) -> int | None:
+        """Batch mode, after a run of the warm command: pre-fork the next run's process, as the uid
+        of this program (more test cases follow) or of the group's next one. None: nothing."""
+        s = self.backend.settings
+        if not s.batch or not s.fork_server or tuple(command) != tuple(s.warm_command):
+            return None
+        uid = self.uid if more_runs else self.uid + 1
+        return uid if uid < s.batch_uid_base + s.max_batch_programs else None
+
     def prepare(self, files: list[SourceFile]) -> None:
         header = {"op": "prepare", "files": [{"path": f.path, "executable": f.executable} for f in files]}
         try:
@@ -387,8 +425,9 @@ class GVisorSandbox:
     def run(self, command: list[str], env: Mapping[str, str], stdin: bytes, limits: Limits,
             control: bytes = b"", stash_after: bool = False, more_runs: bool = False) -> RunFacts:
         s = self.backend.settings
-        header = {"op": "run", "command": command, "env": {**self.backend.base_env, **env}, "uid": s.uid,
-                  "stash_after": stash_after, "more_runs": more_runs,
+        header = {"op": "run", "command": command, "env": {**self.backend.base_env, **env}, "uid": self.uid,
+                  "stash_after": stash_after, "more_runs": more_runs, "private": s.batch, "warm_uid": self._warm_uid(
+                      command, more_runs),
                   "limits": {"wall_seconds": limits.wall_seconds, "cpu_seconds": limits.cpu_seconds,
                              "max_processes": limits.max_processes, "max_output_bytes": limits.max_output_bytes}}
         # the run may use its limit on top of what the sandbox holds now (agent, request bytes in flight)
@@ -442,7 +481,9 @@ class RunscBackend:
         self.runsc_root = state / "runsc"
         self.bundles.mkdir()
         self.runsc_root.mkdir()
-        rootfs, grader = build_rootfs(state, settings.binds)
+        rootfs, grader = build_rootfs(state, settings.binds, range(settings.batch_uid_base,
+                                                                   settings.batch_uid_base + settings.max_batch_programs)
+                                      if settings.batch else range(0))
         self.spec = oci_spec(rootfs, grader, settings, _sandbox_python(settings))
         self.base_env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/tmp",
                          "LANG": "C.UTF-8"}
@@ -462,7 +503,8 @@ class RunscBackend:
 
 
 class SandboxPool:
-    """Keeps ``size`` booted sandboxes ready; each is used by one program, then destroyed.
+    """Keeps ``size`` booted sandboxes ready; each is used by one call (one program, or in batch
+    mode one group of programs), then destroyed.
 
     ``size`` refill threads each own one pool slot: boot a sandbox, offer it, wait until it is
     taken, boot the next. So at most ``size`` sandboxes wait ready and at most ``size`` boot at

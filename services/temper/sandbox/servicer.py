@@ -9,7 +9,17 @@ from collections.abc import Callable
 from prometheus_client import Counter, Histogram
 
 from temper.runtime.errors import reject_unknown_fields
-from temper.sandbox.core import Executor, Limits, OutputMatch, Program, Result, SourceFile, TestCase, TestsResult
+from temper.sandbox.core import (
+    BatchItem,
+    Executor,
+    Limits,
+    OutputMatch,
+    Program,
+    Result,
+    SourceFile,
+    TestCase,
+    TestsResult,
+)
 from temper.v1 import sandbox_pb2, sandbox_pb2_grpc
 
 EXECUTIONS = Counter("temper_sandbox_calls_total", "Sandbox calls by method and verdict", ["method", "verdict"])
@@ -31,6 +41,19 @@ def program_from_proto(req: sandbox_pb2.ExecuteRequest) -> Program:
 def verdict_to_proto(name: str) -> int:
     """The core's verdict name (``OK``) -> the wire enum value (``VERDICT_OK``)."""
     return sandbox_pb2.Verdict.Value(f"VERDICT_{name}")
+
+
+def batch_item_from_proto(req: sandbox_pb2.RunTestsRequest) -> BatchItem:
+    tests = [TestCase(t.stdin, t.expected_stdout, t.assertion_script) for t in req.tests]
+    match = OutputMatch.EXACT if req.output_match == sandbox_pb2.OUTPUT_MATCH_EXACT else OutputMatch.TRAILING_WHITESPACE
+    return BatchItem(program_from_proto(req.program), tests, req.stop_on_first_failure, match)
+
+
+def tests_verdict(t: TestsResult) -> str:
+    """One verdict for a RunTests outcome: the compile verdict, else the first failing test's, else OK."""
+    if t.compile_verdict.name != "OK":
+        return t.compile_verdict.name
+    return next((r.verdict.name for r in t.results if r.verdict.name != "OK"), "OK")
 
 
 def result_to_proto(r: Result) -> sandbox_pb2.ExecuteResponse:
@@ -82,23 +105,36 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
     def RunTests(self, request, context):
         reject_unknown_fields(request, "request")
         started, t0 = time.time(), time.monotonic()
-        tests = [TestCase(t.stdin, t.expected_stdout, t.assertion_script) for t in request.tests]
-        match = (OutputMatch.EXACT if request.output_match == sandbox_pb2.OUTPUT_MATCH_EXACT
-                 else OutputMatch.TRAILING_WHITESPACE)
-        out = self.executor.run_tests(program_from_proto(request.program), tests, request.stop_on_first_failure, match)
+        item = batch_item_from_proto(request)
+        out = self.executor.run_tests(item.program, item.tests, item.stop_on_first_failure, item.output_match)
         response = tests_to_proto(out)
-        if out.compile_verdict.name != "OK":
-            verdict = out.compile_verdict.name
-        else:
-            verdict = next((r.verdict.name for r in out.results if r.verdict.name != "OK"), "OK")
-        self._finish("RunTests", verdict, t0, started, out.queue_seconds,
+        self._finish("RunTests", tests_verdict(out), t0, started, out.queue_seconds,
                      run_tests_request=request, run_tests_response=response)
         return response
 
-    def _finish(self, method: str, verdict: str, t0: float, started: float, queued: float, **call) -> None:
+    def RunTestsBatch(self, request, context):
+        reject_unknown_fields(request, "request")
+        started, t0 = time.time(), time.monotonic()
+        outs = self.executor.run_batch([batch_item_from_proto(r) for r in request.programs])
+        response = sandbox_pb2.RunTestsBatchResponse(results=[tests_to_proto(o) for o in outs],
+                                                     execution_mode=self.executor.mode)
+        verdicts = [tests_verdict(o) for o in outs]
+        self._count("RunTestsBatch", next((v for v in verdicts if v != "OK"), "OK"), t0)
+        for req, resp, out, verdict in zip(request.programs, response.results, outs, verdicts):
+            self._publish("RunTests", verdict, time.monotonic() - t0, started, out.queue_seconds,
+                          run_tests_request=req, run_tests_response=resp)
+        return response
+
+    def _count(self, method: str, verdict: str, t0: float) -> float:
         seconds = time.monotonic() - t0
         EXECUTIONS.labels(method, verdict).inc()
         SECONDS.labels(method).observe(seconds)
+        return seconds
+
+    def _finish(self, method: str, verdict: str, t0: float, started: float, queued: float, **call) -> None:
+        self._publish(method, verdict, self._count(method, verdict, t0), started, queued, **call)
+
+    def _publish(self, method: str, verdict: str, seconds: float, started: float, queued: float, **call) -> None:
         if self.publish is None:
             return
         limit = self.trace_max_bytes

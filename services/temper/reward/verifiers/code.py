@@ -8,6 +8,11 @@ The task's ``reference_answer`` is its test suite, as JSON::
      "output_match": "trailing_whitespace",                   # or "exact"
      "wall_seconds": 2, "memory_mb": 256}                     # optional per-test limits
 
+With ``CodeOptions.batch_size`` N > 0 the distinct programs of a group go to the sandbox in
+RunTestsBatch calls of up to N programs (one gVisor sandbox per call when the sandbox runs in
+execution_mode "batch"); a program the sandbox failed (SANDBOX_ERROR) is retried alone in the
+next call.
+
 Components: ``code.pass_fraction`` (tests passed / tests) and ``code.all_pass`` (1 iff every test
 passed). A program that fails to compile, times out or crashes fails those tests (the program's
 fault). The sandbox being unreachable or failing itself (UNAVAILABLE, DEADLINE_EXCEEDED,
@@ -47,17 +52,25 @@ class SandboxUnavailable(TemperError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
-# (request, timeout seconds) -> response; raises grpc.RpcError like a stub does
-RunTests = Callable[[sandbox_pb2.RunTestsRequest, float], sandbox_pb2.RunTestsResponse]
+# (request, timeout seconds) -> response; raises grpc.RpcError like a stub does. A
+# RunTestsBatchRequest gets a RunTestsBatchResponse.
+RunTests = Callable[[sandbox_pb2.RunTestsRequest | sandbox_pb2.RunTestsBatchRequest, float],
+                    sandbox_pb2.RunTestsResponse | sandbox_pb2.RunTestsBatchResponse]
 
 
 def sandbox_runner(address: str) -> RunTests:
-    """RunTests through the SDK's SandboxClient at ``address``."""
+    """RunTests (or RunTestsBatch, by the request's type) through the SDK's SandboxClient at ``address``."""
     from temper.client.sdk import SandboxClient
     from temper.runtime.rpc import client
 
     sandbox = client(SandboxClient, address)
-    return lambda request, timeout: sandbox.stub.RunTests(request, timeout=timeout)
+
+    def call(request, timeout):
+        if isinstance(request, sandbox_pb2.RunTestsBatchRequest):
+            return sandbox.stub.RunTestsBatch(request, timeout=timeout)
+        return sandbox.stub.RunTests(request, timeout=timeout)
+
+    return call
 
 
 @dataclass(frozen=True)
@@ -141,8 +154,14 @@ class CodeVerifier(Verifier):
             programs.append(code)
         # identical programs (common in a GRPO group) run once
         distinct = {hashlib.sha256(p.encode()).hexdigest(): p for p in programs if p is not None and p.strip()}
-        futures = {h: self._executor.submit(self._run, p, suite) for h, p in distinct.items()}
-        outcomes = {h: f.result() for h, f in futures.items()}  # SandboxUnavailable propagates
+        if self.options.batch_size:
+            keys = list(distinct)
+            chunks = [keys[i:i + self.options.batch_size] for i in range(0, len(keys), self.options.batch_size)]
+            batches = [self._executor.submit(self._run_batch, [distinct[h] for h in chunk], suite) for chunk in chunks]
+            outcomes = {h: checks for chunk, f in zip(chunks, batches) for h, checks in zip(chunk, f.result())}
+        else:
+            futures = {h: self._executor.submit(self._run, p, suite) for h, p in distinct.items()}
+            outcomes = {h: f.result() for h, f in futures.items()}  # SandboxUnavailable propagates
         checks = []
         for p in programs:
             if p is None or not p.strip():
@@ -153,18 +172,31 @@ class CodeVerifier(Verifier):
         return checks
 
     def _run(self, program: str, suite: TestSuite) -> list[Check]:
-        request = sandbox_pb2.RunTestsRequest(
+        return self._run_batch([program], suite, batched=False)[0]
+
+    def _run_batch(self, programs: list[str], suite: TestSuite, batched: bool = True) -> list[list[Check]]:
+        """Checks per program: one RunTestsBatch call for all (``batched``) or one RunTests call for
+        the single program; what failed for the sandbox's reasons is tried again, alone."""
+        requests = [sandbox_pb2.RunTestsRequest(
             program=sandbox_pb2.ExecuteRequest(language=suite.language, limits=suite.limits,
-                                               files=[sandbox_pb2.SourceFile(content=program.encode())]),
-            tests=suite.tests, output_match=suite.output_match)
+                                               files=[sandbox_pb2.SourceFile(content=p.encode())]),
+            tests=suite.tests, output_match=suite.output_match) for p in programs]
+        out: list[list[Check] | None] = [None] * len(programs)
         attempts = self.options.retries + 1
         backoff = self.options.retry_backoff_seconds
         why = ""
         for attempt in range(attempts):
+            pending = [i for i, c in enumerate(out) if c is None]
+            if not pending:
+                break
             if attempt:
                 time.sleep(backoff * 2 ** (attempt - 1))
             try:
-                response = self._sandbox(request, self.options.timeout_seconds)
+                if batched:
+                    batch = sandbox_pb2.RunTestsBatchRequest(programs=[requests[i] for i in pending])
+                    responses = list(self._sandbox(batch, self.options.timeout_seconds * len(pending)).results)
+                else:
+                    responses = [self._sandbox(requests[pending[0]], self.options.timeout_seconds)]
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     # the sandbox refused the task's suite (e.g. limits above its maxima): a request error
@@ -175,18 +207,22 @@ class CodeVerifier(Verifier):
                 why = f"{e.code().name}: {e.details()}"
                 _log.warning("sandbox call failed; retrying", attempt=attempt + 1, attempts=attempts, error=why)
                 continue
-            sandbox_errors = [r.message or "SANDBOX_ERROR" for r in response.results
-                              if r.verdict == sandbox_pb2.VERDICT_SANDBOX_ERROR]
-            if response.compile_verdict == sandbox_pb2.VERDICT_SANDBOX_ERROR:
-                sandbox_errors.append(response.compile.message or "SANDBOX_ERROR while compiling")
-            if sandbox_errors:
-                why = f"SANDBOX_ERROR: {sandbox_errors[0]}"
-                _log.warning("sandbox failed a run; retrying", attempt=attempt + 1, attempts=attempts, error=why)
-                continue
-            return self._checks(response, len(suite.tests))
+            for i, response in zip(pending, responses):
+                sandbox_errors = [r.message or "SANDBOX_ERROR" for r in response.results
+                                  if r.verdict == sandbox_pb2.VERDICT_SANDBOX_ERROR]
+                if response.compile_verdict == sandbox_pb2.VERDICT_SANDBOX_ERROR:
+                    sandbox_errors.append(response.compile.message or "SANDBOX_ERROR while compiling")
+                if sandbox_errors:
+                    why = f"SANDBOX_ERROR: {sandbox_errors[0]}"
+                    _log.warning("sandbox failed a run; retrying", attempt=attempt + 1, attempts=attempts, error=why)
+                else:
+                    out[i] = self._checks(response, len(suite.tests))
+        if all(c is not None for c in out):
+            return out
         message = f"sandbox unavailable after {attempts} attempt(s): {why}"
         if self.options.on_unavailable == "mark":
-            return [Check("code.pass_fraction", error=message), Check("code.all_pass", error=message)]
+            return [c if c is not None else [Check("code.pass_fraction", error=message),
+                                             Check("code.all_pass", error=message)] for c in out]
         raise SandboxUnavailable(message)
 
     @staticmethod
