@@ -139,9 +139,9 @@ def code_flags(completion: str, task: common_pb2.Task) -> set[str]:
         elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
             if (node.value.id, node.attr) in HARNESS_ATTRS:
                 flags.add("touches_harness")
-        elif isinstance(node, ast.Name) and node.id in HARNESS_NAMES:
-            if node.id != "AssertionError" or isinstance(node.ctx, ast.Store):
-                flags.add("touches_harness")
+        elif (isinstance(node, ast.Name) and node.id in HARNESS_NAMES
+              and (node.id != "AssertionError" or isinstance(node.ctx, ast.Store))):
+            flags.add("touches_harness")
         if isinstance(node, ast.Call):
             f = node.func
             name = f.id if isinstance(f, ast.Name) else (
