@@ -95,15 +95,19 @@ def cmd_run(args) -> int:
         print(f"up in {time.monotonic() - t0:.1f}s; job: {spec.steps} steps x {spec.prompts_per_step} prompts x "
               f"{spec.group_size} samples over {', '.join(spec.domains)}", flush=True)
         t1 = time.monotonic()
-        steps = follow_job(state, spec, timeout=args.job_timeout)
+        followed = follow_job(state, spec, timeout=args.job_timeout)
+        steps = followed.steps
         wall = time.monotonic() - t1
     finally:
         launcher.down()
-    out = write_report(Path(args.runs) / time.strftime("%Y%m%d-%H%M%S"), spec, config, steps, wall)
+    out = write_report(Path(args.runs) / time.strftime("%Y%m%d-%H%M%S"), spec, config, steps, wall, followed)
     summary = json.loads((out / "summary.json").read_text())
     print(f"reward {summary['reward_first_steps']:.3f} (first steps) -> {summary['reward_last_steps']:.3f} "
           f"(last steps); {summary['steps_per_minute']:.1f} steps/min; report: {out}/summary.json, "
           f"{out}/reward_curve.png")
+    if followed.paused:
+        print(f"the monitor paused the job after {len(steps)} of {spec.steps} steps: {followed.status.pause_reason}")
+        return 3
     return 0
 
 

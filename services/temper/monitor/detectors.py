@@ -259,8 +259,9 @@ class RewardJump(Detector):
     """A domain's reward jumping beyond its own history.
 
     Rule: with mean mu and standard deviation sd of ``reward`` over the previous ``history``
-    steps (at least ``min_history``), the latest step's reward r fires when
-    |r - mu| >= ``z`` * max(sd, ``sd_floor``) and |r - mu| >= ``min_jump``.
+    steps (at least ``min_history``) and r_prev the step before, the latest reward r fires when
+    |r - mu| >= ``z`` * max(sd, ``sd_floor``) and r - r_prev moves the same way by >= ``min_jump``
+    (one step's jump: steady learning, however fast over many steps, is not a jump).
     """
 
     name: ClassVar[str] = "reward_jump"
@@ -277,11 +278,12 @@ class RewardJump(Detector):
         prev = [v for _, v in pts[-self.history - 1:-1]]
         step, r = pts[-1]
         mu, sd = _mean(prev), statistics.pstdev(prev)
-        jump = r - mu
-        if abs(jump) >= self.z * max(sd, self.sd_floor) and abs(jump) >= self.min_jump:
+        jump, step_jump = r - mu, r - prev[-1]
+        if (abs(jump) >= self.z * max(sd, self.sd_floor) and abs(step_jump) >= self.min_jump
+                and (jump > 0) == (step_jump > 0)):
             window = pts[-self.history - 1:]
-            return Finding(f"reward jumped from {mu:.3f} (sd {sd:.3f}) to {r:.3f}", window[0][0], step,
-                           {"latest": r, "mean": mu, "sd": sd, "jump": jump},
+            return Finding(f"reward jumped from {mu:.3f} (sd {sd:.3f}; {prev[-1]:.3f} the step before) to {r:.3f}",
+                           window[0][0], step, {"latest": r, "mean": mu, "sd": sd, "jump": jump, "step_jump": step_jump},
                            {"reward": [v for _, v in window]}, [s for s, _ in window],
                            _examples(history, "rewarded"))
         return None
