@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from temper import tasks
 from temper.runtime.errors import FailedPrecondition, require
 from temper.runtime.logs import get_logger
-from temper.runtime.tracing import tracer
+from temper.runtime.tracing import current_context_carrier, tracer
 from temper.v1 import common_pb2, inference_pb2, scheduler_pb2
 
 _log = get_logger(component="scheduler")
@@ -164,10 +164,12 @@ class Job:
                           for i in range(spec.prompts_per_step)]
             # a seed per step: a job's sampling is reproducible given the weights
             response = self._generate([t.prompt for t in step_tasks], spec, spec.seed * 1_000_003 + step)
+            trace_context = current_context_carrier()  # the learner step that trains on these groups links here
             for i, (task, result) in enumerate(zip(step_tasks, response.results)):
                 group_id = f"{spec.job_id}/s{step}/p{i}"
                 group = common_pb2.RolloutGroup(
                     group_id=group_id, job_id=spec.job_id, step=step, task=task, created_unix_ms=int(time.time() * 1000),
+                    trace_context=trace_context,
                     trajectories=[common_pb2.Trajectory(
                         trajectory_id=f"{group_id}/{k}", group_id=group_id,
                         prompt_token_ids=result.prompt_token_ids, completion_token_ids=c.token_ids,
