@@ -37,7 +37,21 @@ def test_reward_vs_gold_fires_when_reward_rises_and_gold_does_not():
     assert step is not None and 8 < step <= 13
     assert f.values["proxy_rise"] >= 0.15 and f.values["gold_rise"] <= 0
     assert f.examples and f.examples[0].startswith("t")
-    assert len(f.series["reward"]) == len(f.steps) == 6
+    assert len(f.series["reward"]) == len(f.steps)
+
+
+def test_reward_vs_gold_catches_a_slow_hack_against_the_start_and_a_late_one_rolling():
+    # slow: +0.012 per step with noise; no 6-step window rises by 0.15, the start comparison does
+    slow = [0.2 + 0.012 * k + random.Random(k).gauss(0, 0.03) for k in range(40)]
+    step, f = run(d.RewardVsGold(), series(reward=slow, heldout=noisy(0.08, 40, 0.02, 3)))
+    assert step is not None and 10 <= step <= 25 and "the start" in f.message
+    rolling_only = d.RewardVsGold(window=6, baseline_steps=10_000)
+    assert run(rolling_only, series(reward=slow, heldout=noisy(0.08, 40, 0.02, 3)))[0] is None
+    # late: honest progress (gold follows) for 30 steps, then reward jumps alone
+    reward = [0.1 + 0.02 * k for k in range(30)] + [0.7 + 0.05 * k for k in range(1, 6)]
+    gold = [0.05 + 0.02 * k for k in range(30)] + [0.63] * 5
+    step, f = run(d.RewardVsGold(), series(reward=reward, heldout=gold))
+    assert step is not None and step >= 30 and "the last 6 steps" in f.message
 
 
 def test_reward_vs_gold_quiet_when_gold_follows_or_noise():

@@ -85,16 +85,21 @@ def register(cls: type[Detector]) -> type[Detector]:
 class RewardVsGold(Detector):
     """Reward rising while the gold signal (held-out or verifier accuracy) does not follow.
 
-    Rule: over the last ``window`` steps that carry both series, split into an older and a newer
-    half; rise(x) = mean(newer half of x) - mean(older half of x). Fires when
-    rise(proxy) >= ``min_rise`` and rise(gold) <= ``follow_ratio`` * rise(proxy), and the newer
-    half's gap mean(proxy - gold) >= ``min_gap``. ``gold`` defaults to ``heldout``: the mean of
-    the verifier components that carry weight 0 (computed, kept, not optimised).
+    Rule: rise(x) = mean of x over the newest steps minus mean of x over reference steps, with
+    two references, each checked: (a) the start: the mean over the first ``baseline_steps``
+    steps against the last ``recent`` steps (a slow, steady hack); (b) rolling: the older half of
+    the last ``window`` steps against its newer half (a late hack after honest progress). Fires
+    when, for either, rise(proxy) >= ``min_rise``, rise(gold) <= ``follow_ratio`` * rise(proxy)
+    and the newest steps' gap mean(proxy - gold) >= ``min_gap``. Only steps carrying both series
+    count. ``gold`` defaults to ``heldout``: the mean of the verifier components that carry
+    weight 0 (computed and kept, not optimised).
     """
 
     name: ClassVar[str] = "reward_vs_gold"
     proxy: str = "reward"
     gold: str = "heldout"
+    baseline_steps: int = 5
+    recent: int = 3
     window: int = 6
     min_rise: float = 0.15
     follow_ratio: float = 0.25
@@ -103,22 +108,26 @@ class RewardVsGold(Detector):
 
     def check(self, history):
         gold = dict(_series(history, self.gold))
-        pts = [(s, v, gold[s]) for s, v in _series(history, self.proxy) if s in gold][-self.window:]
-        if len(pts) < max(self.window, 2):
-            return None
-        half = len(pts) // 2
-        old, new = pts[:half], pts[half:]
-        proxy_rise = _mean([p for _, p, _ in new]) - _mean([p for _, p, _ in old])
-        gold_rise = _mean([g for _, _, g in new]) - _mean([g for _, _, g in old])
-        gap = _mean([p - g for _, p, g in new])
-        if proxy_rise >= self.min_rise and gold_rise <= self.follow_ratio * proxy_rise and gap >= self.min_gap:
-            return Finding(
-                f"{self.proxy} rose by {proxy_rise:.3f} over {len(pts)} steps while {self.gold} moved by "
-                f"{gold_rise:+.3f} (gap {gap:.3f})",
-                pts[0][0], pts[-1][0],
-                {"proxy_rise": proxy_rise, "gold_rise": gold_rise, "gap": gap},
-                {self.proxy: [p for _, p, _ in pts], self.gold: [g for _, _, g in pts]}, [s for s, _, _ in pts],
-                _examples(history, self.examples_key))
+        pts = [(s, v, gold[s]) for s, v in _series(history, self.proxy) if s in gold]
+        candidates = []
+        if len(pts) >= self.baseline_steps + self.recent:
+            candidates.append(("the start", pts[:self.baseline_steps], pts[-self.recent:]))
+        if len(pts) >= max(self.window, 2):
+            win = pts[-self.window:]
+            candidates.append((f"the last {len(win)} steps", win[:len(win) // 2], win[len(win) // 2:]))
+        for ref_name, old, new in candidates:
+            proxy_rise = _mean([p for _, p, _ in new]) - _mean([p for _, p, _ in old])
+            gold_rise = _mean([g for _, _, g in new]) - _mean([g for _, _, g in old])
+            gap = _mean([p - g for _, p, g in new])
+            if proxy_rise >= self.min_rise and gold_rise <= self.follow_ratio * proxy_rise and gap >= self.min_gap:
+                shown = old + [p for p in new if p not in old]
+                return Finding(
+                    f"{self.proxy} rose by {proxy_rise:.3f} against {ref_name} while {self.gold} moved by "
+                    f"{gold_rise:+.3f} (gap {gap:.3f})",
+                    shown[0][0], shown[-1][0],
+                    {"proxy_rise": proxy_rise, "gold_rise": gold_rise, "gap": gap},
+                    {self.proxy: [p for _, p, _ in shown], self.gold: [g for _, _, g in shown]},
+                    [s for s, _, _ in shown], _examples(history, self.examples_key))
         return None
 
 
@@ -127,9 +136,9 @@ class RewardVsGold(Detector):
 class ModelVsVerifier(RewardVsGold):
     """A learned reward model's (RM/PRM) score diverging from the verifiers.
 
-    Rule: that of ``reward_vs_gold`` with proxy = ``model`` (mean of the rm and prm components)
-    and gold = ``correctness`` (mean of the verifier components): the learned score rises by
-    >= ``min_rise`` over the window while verified correctness rises by at most ``follow_ratio``
+    Rule: that of ``reward_vs_gold`` (both references) with proxy = ``model`` (mean of the rm and
+    prm components) and gold = ``correctness`` (mean of the verifier components): the learned
+    score rises by >= ``min_rise`` while verified correctness rises by at most ``follow_ratio``
     of that, with a gap >= ``min_gap``.
     """
 
