@@ -110,6 +110,23 @@ def test_pending_alert_is_flushed_after_a_crash(tmp_path):
     assert m2.flush_pending() == 0
 
 
+def test_an_alert_in_flight_is_not_dispatched_again_by_the_other_consumer(tmp_path):
+    """While one consumer acts on and publishes an alert, the other's flush must skip it (seen:
+    the same alert published twice when a slow StopJob overlapped a metrics message)."""
+    published, flushed_meanwhile = [], []
+
+    def publish(alert):
+        # the metrics consumer arrives while this alert is being published
+        flushed_meanwhile.append(m.flush_pending())
+        published.append(alert.alert_id)
+
+    m = Monitor(tmp_path / "m.sqlite", DetectorSet(DETECTORS), act=lambda a, p: "paused", publish=publish)
+    alerts = feed(m, "j", [0] * 8 + [4, 7, 7, 7, 7])
+    assert alerts and set(flushed_meanwhile) == {0}
+    assert sorted(published) == sorted(a.alert_id for a in alerts)  # each exactly once
+    assert m.flush_pending() == 0
+
+
 def test_list_alerts_filters_and_validation(tmp_path):
     t = [1000.0]
     m = Monitor(tmp_path / "m.sqlite", DetectorSet(), clock=lambda: t[0])

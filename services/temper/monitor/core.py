@@ -181,6 +181,9 @@ class Monitor:
         self._open: dict[tuple[str, int], list[stats.GroupSummary]] = defaultdict(list)
         self._alerts: list[monitor_pb2.Alert] = []
         self._last_alert: dict[tuple[str, str, str], int] = {}
+        # alerts being acted on / published right now by some thread: the other consumer's
+        # flush_pending must not dispatch them a second time
+        self._inflight: set[str] = set()
         self._load()
 
     # -- restart -------------------------------------------------------------------------------
@@ -201,16 +204,19 @@ class Monitor:
     def flush_pending(self) -> int:
         """Act on and publish the alerts a crash left pending; returns how many."""
         with self._lock:
-            rows = self._db.execute("SELECT body, policy FROM alerts WHERE pending = 1 ORDER BY seq").fetchall()
-        for body, policy in rows:
-            self._dispatch(monitor_pb2.Alert.FromString(body), policy)
+            rows = [(monitor_pb2.Alert.FromString(body), policy) for body, policy in
+                    self._db.execute("SELECT body, policy FROM alerts WHERE pending = 1 ORDER BY seq")]
+            rows = [(a, p) for a, p in rows if a.alert_id not in self._inflight]
+            self._inflight.update(a.alert_id for a, _ in rows)
+        self._dispatch_all(rows)
         return len(rows)
 
     def _flush_if_pending(self) -> None:
         # a publish that failed raised out of the handler: its message comes again (and is now a
         # duplicate), so the alert it left pending goes out first
         with self._lock:
-            pending = self._db.execute("SELECT 1 FROM alerts WHERE pending = 1 LIMIT 1").fetchone()
+            pending = [a for (a,) in self._db.execute("SELECT alert_id FROM alerts WHERE pending = 1")
+                       if a not in self._inflight]
         if pending:
             self.flush_pending()
 
@@ -248,10 +254,10 @@ class Monitor:
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
+                self._inflight.difference_update(a.alert_id for a, _ in raised)
                 self._reload_after_rollback()
                 raise
-        for alert, policy in raised:
-            self._dispatch(alert, policy)
+        self._dispatch_all(raised)
         return [a for a, _ in raised]
 
     def add_metrics(self, m: common_pb2.StepMetrics) -> list[monitor_pb2.Alert]:
@@ -271,8 +277,7 @@ class Monitor:
                 self._db.execute("ROLLBACK")
                 self._reload_after_rollback()
                 raise
-        for alert, policy in raised:
-            self._dispatch(alert, policy)
+        self._dispatch_all(raised)
         return [a for a, _ in raised]
 
     def _reload_after_rollback(self) -> None:
@@ -313,6 +318,7 @@ class Monitor:
             self._db.execute("INSERT OR IGNORE INTO alerts VALUES (?, ?, ?, ?, 1)",
                              (alert.alert_id, len(self._alerts), alert.SerializeToString(), settings.policy))
             self._alerts.append(alert)
+            self._inflight.add(alert.alert_id)
             self._last_alert[(job, domain, name)] = s.step
             raised.append((alert, settings.policy))
         return raised
@@ -328,9 +334,24 @@ class Monitor:
                 values=f.values, trajectory_ids=f.examples))
 
     # -- policy and publication ----------------------------------------------------------------
+    def _dispatch_all(self, raised: list[tuple[monitor_pb2.Alert, str]]) -> None:
+        try:
+            for alert, policy in raised:
+                self._dispatch(alert, policy)
+        finally:  # those not reached after a failure stay pending, for the next flush
+            with self._lock:
+                self._inflight.difference_update(a.alert_id for a, _ in raised)
+
     def _dispatch(self, alert: monitor_pb2.Alert, policy: str) -> None:
         """Act on ``alert`` per ``policy``, publish it, mark it done. Raises if publishing fails
         (the caller's message is then redelivered and the pending alert flushed later)."""
+        try:
+            self._act_and_publish(alert, policy)
+        finally:
+            with self._lock:
+                self._inflight.discard(alert.alert_id)
+
+    def _act_and_publish(self, alert: monitor_pb2.Alert, policy: str) -> None:
         if policy != "warn" and not alert.action_result:
             try:
                 alert.action_result = self._act(alert, policy) if self._act else "no scheduler configured"
