@@ -4,6 +4,10 @@ is on the `alerts` topic and in ListAlerts, and its policy pauses (or stops) the
 series raises nothing; a metrics spike raises the learner-signal alert; a restarted monitor keeps
 its alerts and curves without replaying the topics."""
 
+import json
+import subprocess
+import sys
+
 import grpc
 import pytest
 from kafka import KafkaConsumer
@@ -94,9 +98,15 @@ def test_hack_alert_acts_on_the_job_clean_series_does_not(stack):
         assert a.action == (monitor_pb2.ALERT_ACTION_PAUSE if policy == "pause" else monitor_pb2.ALERT_ACTION_STOP)
         assert scheduler_pb2.JobState.Name(want) in a.action_result
         assert a.evidence.trajectory_ids and {s.name for s in a.evidence.series} == {"reward", "heldout"}
+        cli = [sys.executable, "-m", "temper.cli.main", "--home", str(launcher.home)]
+        shown = subprocess.run([*cli, "alerts", "--job", hacked_job, "--detector", "reward_vs_gold", "--json"],
+                               capture_output=True, text=True, timeout=60, check=True)
+        assert [x["alert_id"] for x in json.loads(shown.stdout)] == [a.alert_id]
         if policy == "pause":
             assert a.alert_id in job.pause_reason
-            assert scheduler.resume_job(hacked_job).state == scheduler_pb2.JOB_STATE_RUNNING
+            resumed = subprocess.run([*cli, "resume", hacked_job], capture_output=True, text=True, timeout=60)
+            assert resumed.returncode == 0 and "JOB_STATE_RUNNING" in resumed.stdout, resumed.stderr
+            assert scheduler.job(hacked_job).state == scheduler_pb2.JOB_STATE_RUNNING
         assert monitor.list_alerts(job_id=clean_job) == []
         wait_until(lambda: monitor.list_alerts(job_id=hacked_job, detector="training_signal"), 30, what="KL alert")
         kl = monitor.list_alerts(job_id=hacked_job, detector="training_signal")[0]
