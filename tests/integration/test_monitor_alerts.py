@@ -7,6 +7,7 @@ its alerts and curves without replaying the topics."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import grpc
 import pytest
@@ -116,6 +117,17 @@ def test_hack_alert_acts_on_the_job_clean_series_does_not(stack):
                                         and x.job_id == hacked_job] or None, 30, what="alerts on the topic")
         assert {x.alert_id for x in published} >= {a.alert_id, kl.alert_id}
         assert [x.action_result for x in published if x.alert_id == a.alert_id] == [a.action_result]
+        # counted in Prometheus and logged (JSON lines)
+        import urllib.request
+
+        proc = state.services["monitor"]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=10).read().decode()
+        assert (f'temper_monitor_alerts_total{{action="{policy}",detector="reward_vs_gold",severity="critical"}} 1.0'
+                in text), [x for x in text.splitlines() if "alerts_total" in x]
+        lines = Path(proc.log).read_text().splitlines()
+        logged = [json.loads(x) for x in lines if '"alert"' in x and x.startswith("{")]
+        assert [x["alert_id"] for x in logged if x.get("event") == "alert" and x["detector"] == "reward_vs_gold"] \
+            == [a.alert_id]
         with pytest.raises(grpc.RpcError) as e:
             monitor.list_alerts(limit=-1)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "limit" in e.value.details()
