@@ -80,11 +80,11 @@ def test_hack_alert_acts_on_the_job_clean_series_does_not(stack):
         clean_job = "clean-job"  # not the scheduler's: any action on it would fail and show in the alert
         for step, hacked in enumerate(CLEAN):  # a clean series first: same partition, so handled before the hack
             for p in range(2):
-                g = group(clean_job, step, p, hacked)
+                g = group(clean_job, step, p, hacked, step_groups=2)
                 producer.send(kafka.SCORED, g.group_id, g).get(10)
         for step, hacked in enumerate(HACK):
             for p in range(2):
-                g = group(hacked_job, step, p, hacked)
+                g = group(hacked_job, step, p, hacked, step_groups=2)
                 producer.send(kafka.SCORED, g.group_id, g).get(10)
         for step in range(1, 13):  # a KL spike at learner step 12
             m = common_pb2.StepMetrics(job_id=hacked_job, step=step,

@@ -10,7 +10,7 @@ from temper.v1 import common_pb2, monitor_pb2
 OK = common_pb2.REWARD_STATUS_OK
 
 
-def group(job, step, p, hacked, domain="toy.copy", n=8):
+def group(job, step, p, hacked, domain="toy.copy", n=8, step_groups=0):
     """A scored group: an exploitable verifier (weight 1) and the sound one held out (weight 0).
     ``hacked`` of the ``n`` samples spam digits: rewarded by the unsound check, wrong by the sound one."""
     trajs = []
@@ -26,7 +26,7 @@ def group(job, step, p, hacked, domain="toy.copy", n=8):
             reward=common_pb2.Reward(total=contains, status=OK, components=[
                 common_pb2.RewardComponent(name="exact_answer.contains", value=contains, weight=1.0, status=OK),
                 common_pb2.RewardComponent(name="exact_answer", value=sound, weight=0.0, status=OK)])))
-    return common_pb2.RolloutGroup(group_id=f"{job}/s{step}/p{p}", job_id=job, step=step,
+    return common_pb2.RolloutGroup(group_id=f"{job}/s{step}/p{p}", job_id=job, step=step, step_groups=step_groups,
                                    task=common_pb2.Task(domain=domain), trajectories=trajs)
 
 
@@ -146,6 +146,20 @@ def test_list_alerts_filters_and_validation(tmp_path):
         with pytest.raises(InvalidArgument) as e:
             m.list_alerts(bad)
         assert e.value.field == fld
+
+
+def test_a_step_closes_when_all_its_groups_are_in_else_when_the_next_starts(tmp_path):
+    m = Monitor(tmp_path / "m.sqlite", DetectorSet())
+    m.add_scored(group("j", 0, 0, 0, step_groups=2))
+    assert m.series("j", "toy.copy") == []
+    m.add_scored(group("j", 0, 1, 0, step_groups=2))
+    assert [s.step for s in m.series("j", "toy.copy")] == [0]  # complete: closed at once
+    m.add_scored(group("k", 0, 0, 0))  # the step's size unknown: open until step 1 of k starts
+    assert m.series("k", "toy.copy") == []
+    m.add_scored(group("k", 1, 0, 0))
+    assert [s.step for s in m.series("k", "toy.copy")] == [0]
+    m.add_scored(group("j", 0, 2, 7, step_groups=2))  # late for a closed step: curve only
+    assert [s.samples for s in m.series("j", "toy.copy")] == [16]
 
 
 def test_detector_config_per_domain_and_validation():

@@ -5,10 +5,11 @@ once); each is recorded once, keyed by ``group_id`` / (job, learner step), in a 
 a restarted monitor has its curves, series and alerts back without re-reading the topics.
 
 Steps: the groups of scheduler step s of a job are summed into per-domain statistics
-(``temper.monitor.stats``) and the step *closes*, and the detectors run, when the first group of
-a later step of that job arrives, or at once when ``groups_per_step`` groups of it are in (if
-set). A group that arrives after its step closed moves the reward curve but no longer the
-closed step. A learner step closes on arrival (domain ``*``).
+(``temper.monitor.stats``) and the step *closes*, and the detectors run, as soon as all its
+groups are in (``RolloutGroup.step_groups``, set by the scheduler; else the ``groups_per_step``
+setting, if set), or else when the first group of a later step of that job arrives. A group
+that arrives after its step closed moves the reward curve but no longer the closed step. A
+learner step closes on arrival (domain ``*``).
 
 Alerts: a detector's finding becomes an Alert with its evidence, at most once per
 (job, domain, detector) every ``cooldown_steps`` steps. It is written to the store (pending)
@@ -247,7 +248,8 @@ class Monitor:
                 if not closed:
                     self._open[(group.job_id, group.step)].append(summary)
                     due = sorted(s for (j, s) in self._open if j == group.job_id and s < group.step)
-                    if self.groups_per_step and len(self._open[(group.job_id, group.step)]) >= self.groups_per_step:
+                    expected = group.step_groups or self.groups_per_step
+                    if expected and len(self._open[(group.job_id, group.step)]) >= expected:
                         due.append(group.step)
                     for step in due:
                         raised += self._close(group.job_id, step)

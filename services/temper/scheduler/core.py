@@ -169,7 +169,7 @@ class Job:
                 group_id = f"{spec.job_id}/s{step}/p{i}"
                 group = common_pb2.RolloutGroup(
                     group_id=group_id, job_id=spec.job_id, step=step, task=task, created_unix_ms=int(time.time() * 1000),
-                    trace_context=trace_context,
+                    trace_context=trace_context, step_groups=len(step_tasks),
                     trajectories=[common_pb2.Trajectory(
                         trajectory_id=f"{group_id}/{k}", group_id=group_id,
                         prompt_token_ids=result.prompt_token_ids, completion_token_ids=c.token_ids,
