@@ -20,6 +20,6 @@ class MonitorConfig(ServiceConfig):
                                                 "(RolloutGroup.step_groups = 0); 0: such a step closes when the "
                                                 "next one starts")
     detectors: dict[str, dict[str, Any]] = Field(
-        default_factory=dict, description="detector settings, the [monitor.detectors.<name>] tables: enabled, policy (warn | pause | stop), "
-        "severity, cooldown_steps, the detector's parameters, and per-domain overrides in "
+        default_factory=dict, description="detector settings, the [monitor.detectors.<name>] tables: enabled, "
+        "policy (warn | pause | stop), severity, cooldown_steps, the detector's parameters, and per-domain overrides in "
         "[monitor.detectors.<name>.domains.\"<prefix>\"] (see temper.monitor.core.DetectorSet)")
