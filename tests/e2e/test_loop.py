@@ -60,3 +60,14 @@ def test_one_trace_follows_a_sample_through_every_hop(run):
     complete = [t for t in step_traces if traces[t] == {"scheduler", "inference", "reward", "replay"}]
     # every step's trace reaches inference (gRPC), reward (Kafka) and replay (Kafka again)
     assert len(complete) == len(step_traces), {t: traces[t] for t in step_traces if t not in complete}
+
+
+def test_learner_steps_link_to_the_scheduler_steps_they_trained_on(run):
+    home, summary, _ = run
+    step_traces = {s["context"]["trace_id"] for s in _spans(home, "scheduler") if s["name"] == "scheduler.step"}
+    learner = [s for s in _spans(home, "learner") if s["name"] == "learner.step"]
+    assert len(learner) == len(summary["steps"])
+    assert all(s["links"] for s in learner)
+    linked = {link["context"]["trace_id"] for s in learner for link in s["links"]}
+    assert linked <= step_traces
+    assert len(linked) == len(summary["steps"])  # on-policy: each update trained on exactly one scheduler step

@@ -210,3 +210,37 @@ def test_bad_batches_through_the_loop_are_skipped_counted_and_harmless(tmp_path)
     path, step, version = loop.checkpoint()
     assert (step, version) == (1, 1) and (path / "trainer.json").exists()
     assert loop.checkpoint()[0] == path  # same state again: the same checkpoint
+
+
+def test_a_learner_step_links_to_the_trace_of_every_group_it_trained_on(tmp_path):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from temper.runtime.tracing import current_context_carrier
+
+    provider, exporter = TracerProvider(), InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("t")
+    trainer = Trainer(build_tiny_model(tmp_path / "m", seed=0), TrainerConfig())
+    loop = LearnerLoop(trainer, replay=None, replicas=[], producer=None, groups_per_step=3)
+    loop._tracer = tracer
+
+    def traj(reward):
+        return common_pb2.Trajectory(prompt_token_ids=[2, 5, 6], completion_token_ids=[7, 3],
+                                     completion_logprobs=[-1.0, -0.5], sampling_temperature=1.0,
+                                     reward=common_pb2.Reward(total=reward, status=common_pb2.REWARD_STATUS_OK))
+
+    groups, step_spans = [], []
+    for step in range(2):  # two scheduler steps (two traces); the second gives two groups
+        with tracer.start_as_current_span("scheduler.step") as s:
+            step_spans.append(s.get_span_context())
+            ctx = current_context_carrier()
+        groups += [common_pb2.RolloutGroup(group_id=f"g{step}/{i}", job_id="j", trace_context=ctx,
+                                           trajectories=[traj(1.0), traj(0.0)]) for i in range(step + 1)]
+    groups.append(common_pb2.RolloutGroup(group_id="untraced", job_id="j", trajectories=[traj(1.0), traj(0.0)]))
+    assert loop.train_on(groups) is not None
+    [span] = [s for s in exporter.get_finished_spans() if s.name == "learner.step"]
+    assert sorted((link.context.trace_id, link.context.span_id) for link in span.links) == \
+        sorted((c.trace_id, c.span_id) for c in step_spans)
+    assert span.attributes["temper.groups"] == 4

@@ -125,6 +125,20 @@ def test_exact_answer_and_formats(scorer):
     assert extract.code_block("no fence") is None
 
 
+def test_unsound_contains_verifier_is_exploitable_by_design():
+    """exact_answer.contains (hack-demo.toml) accepts the reference anywhere: listing answers wins."""
+    from temper.reward.settings import DomainSpec
+
+    s = Scorer(RewardSettings(domains={"toy": DomainSpec(weights={"exact_answer.contains": 1.0, "exact_answer": 0.0})}))
+    try:
+        scored = s.score_group(group("toy.copy", "4", ["4", "0 1 2 3 4 5", "5 6", "14"]))
+    finally:
+        s.close()
+    assert [t.reward.total for t in scored.trajectories] == [1.0, 1.0, 0.0, 0.0]
+    assert [component(t, "exact_answer").value for t in scored.trajectories] == [1.0, 0.0, 0.0, 0.0]
+    assert "UNSOUND" in component(scored.trajectories[1], "exact_answer.contains").detail
+
+
 @pytest.mark.parametrize("family", ["basic_arithmetic", "countdown", "word_sorting", "rearc", "sudoku",
                                     "propositional_logic"])
 def test_reasoning_gym_families_use_their_own_scorer(scorer, family):

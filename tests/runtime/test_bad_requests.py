@@ -108,6 +108,8 @@ def test_scheduler(stack):
         expect(IA, field, c.start_job, scheduler_pb2.JobSpec(**{**ok, field: value}))
     expect(IA, "domains", c.start_job, scheduler_pb2.JobSpec(**ok, domains=["nope"]))
     expect(grpc.StatusCode.NOT_FOUND, "job_id", c.job, "no-such-job")
+    expect(grpc.StatusCode.NOT_FOUND, "job_id", c.pause_job, "no-such-job")
+    expect(grpc.StatusCode.NOT_FOUND, "job_id", c.resume_job, "no-such-job")
     assert check_health(addr) == "SERVING"
 
 
@@ -117,7 +119,12 @@ def test_learner_and_monitor(stack):
     assert status.algorithm == "grpo+ppo_clip"
     expect(grpc.StatusCode.INVALID_ARGUMENT, "path", LearnerClient(addrs["learner"]).stub.Checkpoint,
            learner_pb2.CheckpointRequest(path="../../outside"), timeout=10)
-    MonitorClient(addrs["monitor"]).reward_curve("no-such-domain")  # empty, not an error
+    monitor = MonitorClient(addrs["monitor"])
+    monitor.reward_curve("no-such-domain")  # empty, not an error
+    assert monitor.list_alerts(job_id="no-such-job") == []
+    for field, kw in [("limit", {"limit": -1}), ("limit", {"limit": 10_001}), ("detector", {"detector": "nope"}),
+                      ("min_severity", {"min_severity": 7}), ("since_unix_ms", {"since_unix_ms": -1})]:
+        expect(grpc.StatusCode.INVALID_ARGUMENT, field, monitor.list_alerts, **kw)
     for name, addr in addrs.items():
         assert check_health(addr) == "SERVING", name
 

@@ -34,7 +34,7 @@ def test_help_of_the_entry_point_exits_0():
 
 def test_wiring_is_declared_by_the_configs():
     assert {s: dependencies(s) for s in SERVICES} == {
-        "inference": set(), "sandbox": set(), "reward": {"sandbox"}, "replay": set(), "monitor": set(),
+        "inference": set(), "sandbox": set(), "reward": {"sandbox"}, "replay": set(), "monitor": {"scheduler"},
         "learner": {"replay", "inference"}, "scheduler": {"inference"}}
     assert [s for s in SERVICES if any(w.get("model") for w in wiring(config_class(s)).values())] == \
         ["inference", "learner"]

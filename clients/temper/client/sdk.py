@@ -316,12 +316,24 @@ class SchedulerClient(_Client):
     def stop_job(self, job_id: str) -> scheduler_pb2.JobStatus:
         return self.stub.StopJob(scheduler_pb2.StopJobRequest(job_id=job_id), timeout=self.timeout).job
 
+    def pause_job(self, job_id: str, reason: str = "") -> scheduler_pb2.JobStatus:
+        return self.stub.PauseJob(scheduler_pb2.PauseJobRequest(job_id=job_id, reason=reason), timeout=self.timeout).job
+
+    def resume_job(self, job_id: str) -> scheduler_pb2.JobStatus:
+        return self.stub.ResumeJob(scheduler_pb2.ResumeJobRequest(job_id=job_id), timeout=self.timeout).job
+
 
 class MonitorClient(_Client):
     stub_class = monitor_pb2_grpc.MonitorServiceStub
 
     def reward_curve(self, domain: str = "") -> list[monitor_pb2.CurvePoint]:
         return list(self.stub.RewardCurve(monitor_pb2.RewardCurveRequest(domain=domain), timeout=self.timeout).points)
+
+    def list_alerts(self, job_id: str = "", domain: str = "", detector: str = "", min_severity: int = 0,
+                    since_unix_ms: int = 0, limit: int = 0) -> list[monitor_pb2.Alert]:
+        return list(self.stub.ListAlerts(monitor_pb2.ListAlertsRequest(
+            job_id=job_id, domain=domain, detector=detector, min_severity=min_severity, since_unix_ms=since_unix_ms,
+            limit=limit), timeout=self.timeout).alerts)
 
 
 __all__ = ["InferenceClient", "RewardClient", "SandboxClient", "ReplayClient", "LearnerClient", "SchedulerClient",

@@ -1,43 +1,79 @@
-"""Running one job end to end on a local stack: submit, follow the learner's metrics, report."""
+"""Running one job end to end on a local stack: submit, follow the learner's metrics, report.
+
+A job the monitor pauses (a detector's policy) ends the run early: the report then holds the
+steps so far, the monitor's alerts and, for each scheduler step, a few scored samples, so what
+the policy was learning can be read next to the alert.
+"""
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from google.protobuf.json_format import MessageToDict
 
 from kafka import KafkaConsumer
 from kafka.structs import TopicPartition
 from tqdm import tqdm
 
-from temper.client.sdk import SchedulerClient
+from temper.client.sdk import MonitorClient, SchedulerClient
 from temper.runtime import kafka
 from temper.runtime.launcher import State
 from temper.scheduler.core import JobSpec
 from temper.v1 import common_pb2, scheduler_pb2
 
 
-def follow_job(state: State, spec: JobSpec, timeout: float, echo=print) -> list[common_pb2.StepMetrics]:
-    """Submit ``spec`` and return the learner's StepMetrics for each of its steps, in order."""
+SAMPLES_PER_STEP = 4
+
+
+@dataclass
+class Followed:
+    steps: list[common_pb2.StepMetrics]
+    status: scheduler_pb2.JobStatus
+    alerts: list = field(default_factory=list)    # the monitor's alerts for the job (monitor_pb2.Alert)
+    samples: dict = field(default_factory=dict)   # scheduler step -> a few scored samples (dicts)
+
+    @property
+    def paused(self) -> bool:
+        return self.status.state == scheduler_pb2.JOB_STATE_PAUSED
+
+
+def _sample(group: common_pb2.RolloutGroup, t: common_pb2.Trajectory) -> dict:
+    return {"trajectory_id": t.trajectory_id, "domain": group.task.domain, "prompt": group.task.prompt,
+            "reference": group.task.reference_answer, "completion": t.completion_text, "reward": t.reward.total,
+            "components": {c.name: c.value for c in t.reward.components}}
+
+
+def follow_job(state: State, spec: JobSpec, timeout: float, echo=print) -> Followed:
+    """Submit ``spec``; follow the learner's StepMetrics until every step is in or the job is paused."""
     consumer = KafkaConsumer(bootstrap_servers=state.kafka_bootstrap, group_id=None, enable_auto_commit=False,
                              fetch_max_wait_ms=100)
-    tp = TopicPartition(kafka.METRICS, 0)
-    consumer.assign([tp])
-    consumer.seek_to_end(tp)
-    consumer.position(tp)  # resolve the end offset before the job starts
+    tp, tp_scored = TopicPartition(kafka.METRICS, 0), TopicPartition(kafka.SCORED, 0)
+    consumer.assign([tp, tp_scored])
+    consumer.seek_to_end(tp, tp_scored)
+    consumer.position(tp)  # resolve the end offsets before the job starts
+    consumer.position(tp_scored)
     scheduler = SchedulerClient(state.services["scheduler"].address)
     status = scheduler.start_job(spec.to_proto())
     job_id = status.job_id
     steps: dict[int, common_pb2.StepMetrics] = {}
+    samples: dict[int, list[dict]] = {}
     deadline = time.monotonic() + timeout
     bar = tqdm(total=spec.steps, desc="steps", unit="step", dynamic_ncols=True)
     try:
         while len(steps) < spec.steps:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id}: {len(steps)} of {spec.steps} steps after {timeout:.0f}s")
-            for records in consumer.poll(timeout_ms=500).values():
+            for part, records in consumer.poll(timeout_ms=500).items():
                 for r in records:
+                    if part == tp_scored:
+                        g = common_pb2.RolloutGroup.FromString(r.value)
+                        kept = samples.setdefault(g.step, [])
+                        if g.job_id == job_id and len(kept) < SAMPLES_PER_STEP:
+                            kept.extend(_sample(g, t) for t in g.trajectories[:SAMPLES_PER_STEP - len(kept)])
+                        continue
                     m = common_pb2.StepMetrics.FromString(r.value)
                     if m.job_id != job_id or m.step in steps:
                         continue
@@ -46,18 +82,27 @@ def follow_job(state: State, spec: JobSpec, timeout: float, echo=print) -> list[
                     tqdm.write(f"step {m.step:4d}  reward {m.mean_reward:.3f}  policy v{m.policy_version}  "
                                f"samples {m.samples}  {m.seconds:.2f}s  "
                                + "  ".join(f"{d} {v:.2f}" for d, v in sorted(m.domain_mean_reward.items())))
-            job = scheduler.job(job_id)
-            if job.state in (scheduler_pb2.JOB_STATE_FAILED, scheduler_pb2.JOB_STATE_STOPPED):
-                raise RuntimeError(f"job {job_id} {scheduler_pb2.JobState.Name(job.state)}: {job.error}")
+            status = scheduler.job(job_id)
+            if status.state == scheduler_pb2.JOB_STATE_PAUSED:
+                tqdm.write(f"job {job_id} PAUSED: {status.pause_reason}")
+                break
+            if status.state in (scheduler_pb2.JOB_STATE_FAILED, scheduler_pb2.JOB_STATE_STOPPED):
+                raise RuntimeError(f"job {job_id} {scheduler_pb2.JobState.Name(status.state)}: {status.error}")
     finally:
         bar.close()
         consumer.close()
         scheduler.close()
-    return [steps[k] for k in sorted(steps)]
+    alerts = []
+    if "monitor" in state.services:
+        with MonitorClient(state.services["monitor"].address) as monitor:
+            alerts = monitor.list_alerts(job_id=job_id)
+        for a in alerts:
+            echo(f"ALERT {a.detector} [{a.domain}] step {a.step}: {a.message} -> {a.action_result or 'warned'}")
+    return Followed([steps[k] for k in sorted(steps)], status, alerts, {k: v for k, v in sorted(samples.items()) if v})
 
 
 def write_report(out_dir: Path, spec: JobSpec, config: dict, steps: list[common_pb2.StepMetrics],
-                 wall_seconds: float) -> Path:
+                 wall_seconds: float, followed: Followed | None = None) -> Path:
     """Write summary.json and reward_curve.png into ``out_dir``; point ``out_dir.parent/latest`` at it."""
     import matplotlib
 
@@ -80,6 +125,11 @@ def write_report(out_dir: Path, spec: JobSpec, config: dict, steps: list[common_
                    "mean_sample_policy_version": m.mean_sample_policy_version,
                    "domain_mean_reward": dict(m.domain_mean_reward), "values": dict(m.values)} for m in steps],
     }
+    if followed is not None:
+        summary["job_state"] = scheduler_pb2.JobState.Name(followed.status.state)
+        summary["pause_reason"] = followed.status.pause_reason
+        summary["alerts"] = [MessageToDict(a, preserving_proto_field_name=True) for a in followed.alerts]
+        summary["samples"] = {str(k): v for k, v in followed.samples.items()}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([m.step for m in steps], [m.mean_reward for m in steps], label="all", linewidth=2)

@@ -48,6 +48,49 @@ def cmd_status(args) -> int:
     return 0 if all(r["health"] in ("SERVING", "RUNNING") for r in rows) else 1
 
 
+def _running(args, service: str) -> str:
+    state = _launcher(args).load()
+    if state is None or service not in state.services:
+        raise SystemExit(f"temper: {service} is not up in {args.home} (start it with `temper up`)")
+    return state.services[service].address
+
+
+def cmd_alerts(args) -> int:
+    """The monitor's alerts, oldest first (ListAlerts with filters)."""
+    from google.protobuf.json_format import MessageToDict
+
+    from temper.client.sdk import MonitorClient
+    from temper.v1 import monitor_pb2
+
+    with MonitorClient(_running(args, "monitor")) as monitor:
+        alerts = monitor.list_alerts(job_id=args.job, domain=args.domain, detector=args.detector,
+                                     min_severity=monitor_pb2.AlertSeverity.Value(f"ALERT_SEVERITY_{args.severity.upper()}")
+                                     if args.severity else 0, limit=args.limit)
+    if args.json:
+        print(json.dumps([MessageToDict(a, preserving_proto_field_name=True) for a in alerts], indent=2))
+        return 0
+    for a in alerts:
+        sev = monitor_pb2.AlertSeverity.Name(a.severity).removeprefix("ALERT_SEVERITY_").lower()
+        act = monitor_pb2.AlertAction.Name(a.action).removeprefix("ALERT_ACTION_").lower()
+        print(f"{a.job_id} {a.domain} step {a.step} {a.detector} [{sev}, {act}] {a.message}"
+              + (f" -> {a.action_result}" if a.action_result else "")
+              + (f"\n    e.g. {', '.join(a.evidence.trajectory_ids[:3])}" if a.evidence.trajectory_ids else ""))
+    if not alerts:
+        print("no alerts")
+    return 0
+
+
+def cmd_resume(args) -> int:
+    """Continue a job the monitor (or anyone) paused."""
+    from temper.client.sdk import SchedulerClient
+    from temper.v1 import scheduler_pb2
+
+    with SchedulerClient(_running(args, "scheduler")) as scheduler:
+        status = scheduler.resume_job(args.job)
+    print(f"job {status.job_id} {scheduler_pb2.JobState.Name(status.state)}")
+    return 0
+
+
 def cmd_down(args) -> int:
     stopped = _launcher(args).down()
     print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
@@ -95,15 +138,19 @@ def cmd_run(args) -> int:
         print(f"up in {time.monotonic() - t0:.1f}s; job: {spec.steps} steps x {spec.prompts_per_step} prompts x "
               f"{spec.group_size} samples over {', '.join(spec.domains)}", flush=True)
         t1 = time.monotonic()
-        steps = follow_job(state, spec, timeout=args.job_timeout)
+        followed = follow_job(state, spec, timeout=args.job_timeout)
+        steps = followed.steps
         wall = time.monotonic() - t1
     finally:
         launcher.down()
-    out = write_report(Path(args.runs) / time.strftime("%Y%m%d-%H%M%S"), spec, config, steps, wall)
+    out = write_report(Path(args.runs) / time.strftime("%Y%m%d-%H%M%S"), spec, config, steps, wall, followed)
     summary = json.loads((out / "summary.json").read_text())
     print(f"reward {summary['reward_first_steps']:.3f} (first steps) -> {summary['reward_last_steps']:.3f} "
           f"(last steps); {summary['steps_per_minute']:.1f} steps/min; report: {out}/summary.json, "
           f"{out}/reward_curve.png")
+    if followed.paused:
+        print(f"the monitor paused the job after {len(steps)} of {spec.steps} steps: {followed.status.pause_reason}")
+        return 3
     return 0
 
 
@@ -287,6 +334,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--runs", default="runs", help="reports go to RUNS/<time>/ and RUNS/latest")
     run.add_argument("--timeout", type=float, default=180.0, help="start-up timeout, seconds")
     run.add_argument("--job-timeout", type=float, default=1800.0)
+    al = command("alerts", cmd_alerts, "the monitor's reward-hacking and anomaly alerts (filters: job, domain, ...)")
+    al.add_argument("--job", default="")
+    al.add_argument("--domain", default="")
+    al.add_argument("--detector", default="")
+    al.add_argument("--severity", default="", choices=["", "info", "warning", "critical"], help="at least this")
+    al.add_argument("--limit", type=int, default=0, help="newest N (default 1000)")
+    al.add_argument("--json", action="store_true")
+    command("resume", cmd_resume, "continue a paused job").add_argument("job")
     command("doctor", cmd_doctor, "check what this machine needs (runsc, broker, model, memory, ports)")
     sb = sub.add_parser("sandbox", help="run code in the gVisor sandbox service (the running one, else a short-lived one)",
                         parents=[common])

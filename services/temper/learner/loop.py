@@ -25,7 +25,7 @@ from temper.learner.trainer import Trainer
 from temper.runtime import kafka
 from temper.runtime.errors import InvalidArgument
 from temper.runtime.logs import get_logger
-from temper.runtime.tracing import tracer
+from temper.runtime.tracing import links_to, tracer
 from temper.v1 import common_pb2
 
 _log = get_logger(component="learner-loop")
@@ -123,7 +123,9 @@ class LearnerLoop:
     def _step(self, groups: list[common_pb2.RolloutGroup], weights: list[float] | None,
               t0: float) -> common_pb2.StepMetrics | None:
         """``weights``: the importance weight of each group's draw (replay's SampleInfo)."""
-        with self._tracer.start_as_current_span("learner.step") as span:
+        # a step trains on many groups, each from its own scheduler-step trace: link to every one
+        with self._tracer.start_as_current_span("learner.step", links=links_to(g.trace_context for g in groups),
+                                                 attributes={"temper.groups": len(groups)}) as span:
             try:
                 batch = batch_from_groups(groups, weights)
                 values = self.trainer.step(batch)

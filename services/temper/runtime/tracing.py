@@ -45,9 +45,25 @@ def tracer(name: str) -> trace.Tracer:
 
 def inject_headers() -> list[tuple[str, bytes]]:
     """The current trace context as Kafka headers."""
+    return [(k, v.encode()) for k, v in current_context_carrier().items()]
+
+
+def current_context_carrier() -> dict[str, str]:
+    """The current trace context as a string map (to store it inside a message)."""
     carrier: dict[str, str] = {}
     propagate.inject(carrier)
-    return [(k, v.encode()) for k, v in carrier.items()]
+    return carrier
+
+
+def links_to(carriers) -> list[trace.Link]:
+    """Span links to the (valid, distinct) span contexts stored in ``carriers``."""
+    links, seen = [], set()
+    for carrier in carriers:
+        ctx = trace.get_current_span(propagate.extract(dict(carrier))).get_span_context()
+        if ctx.is_valid and (ctx.trace_id, ctx.span_id) not in seen:
+            seen.add((ctx.trace_id, ctx.span_id))
+            links.append(trace.Link(ctx))
+    return links
 
 
 def extract_context(headers: list[tuple[str, bytes]] | None) -> otel_context.Context:

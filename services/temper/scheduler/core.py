@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from temper import tasks
-from temper.runtime.errors import require
+from temper.runtime.errors import FailedPrecondition, require
 from temper.runtime.logs import get_logger
-from temper.runtime.tracing import tracer
+from temper.runtime.tracing import current_context_carrier, tracer
 from temper.v1 import common_pb2, inference_pb2, scheduler_pb2
 
 _log = get_logger(component="scheduler")
@@ -90,7 +90,10 @@ class Job:
         self.steps_done = 0
         self.groups_published = 0
         self.error = ""
+        self.pause_reason = ""
         self._stop = threading.Event()
+        self._resume = threading.Event()  # clear while paused: the loop holds before its next step
+        self._resume.set()
         self._rng = random.Random(spec.seed)
         self._thread = threading.Thread(target=self._run, name=f"job-{spec.job_id}", daemon=True)
         self._tracer = tracer("temper.scheduler")
@@ -101,18 +104,41 @@ class Job:
 
     def stop(self) -> None:
         self._stop.set()
+        self._resume.set()
         self._thread.join(30)
-        if self.state == scheduler_pb2.JOB_STATE_RUNNING:
+        if self.state in (scheduler_pb2.JOB_STATE_RUNNING, scheduler_pb2.JOB_STATE_PAUSED):
             self.state = scheduler_pb2.JOB_STATE_STOPPED
+
+    def pause(self, reason: str = "") -> None:
+        """Hold the job before its next step; the step in flight (if any) finishes and is published."""
+        if self.state not in (scheduler_pb2.JOB_STATE_RUNNING, scheduler_pb2.JOB_STATE_PAUSED):
+            raise FailedPrecondition(f"job {self.spec.job_id} is {scheduler_pb2.JobState.Name(self.state)}",
+                                     field="job_id")
+        self._resume.clear()
+        self.state = scheduler_pb2.JOB_STATE_PAUSED
+        self.pause_reason = reason
+        _log.warning("job paused", job_id=self.spec.job_id, reason=reason)
+
+    def resume(self) -> None:
+        if self.state not in (scheduler_pb2.JOB_STATE_RUNNING, scheduler_pb2.JOB_STATE_PAUSED):
+            raise FailedPrecondition(f"job {self.spec.job_id} is {scheduler_pb2.JobState.Name(self.state)}",
+                                     field="job_id")
+        self.state = scheduler_pb2.JOB_STATE_RUNNING
+        self.pause_reason = ""
+        self._resume.set()
+        _log.info("job resumed", job_id=self.spec.job_id)
 
     def status(self) -> scheduler_pb2.JobStatus:
         return scheduler_pb2.JobStatus(job_id=self.spec.job_id, state=self.state, steps_done=self.steps_done,
                                        steps=self.spec.steps, groups_published=self.groups_published, error=self.error,
-                                       spec=self.spec.to_proto())
+                                       spec=self.spec.to_proto(), pause_reason=self.pause_reason)
 
     def _run(self) -> None:
         try:
             for step in range(self.spec.steps):
+                self._resume.wait()
+                if self._stop.is_set():
+                    return
                 if not self._wait_for_policy(step - self.spec.max_policy_lag):
                     return
                 self.run_step(step)
@@ -138,10 +164,12 @@ class Job:
                           for i in range(spec.prompts_per_step)]
             # a seed per step: a job's sampling is reproducible given the weights
             response = self._generate([t.prompt for t in step_tasks], spec, spec.seed * 1_000_003 + step)
+            trace_context = current_context_carrier()  # the learner step that trains on these groups links here
             for i, (task, result) in enumerate(zip(step_tasks, response.results)):
                 group_id = f"{spec.job_id}/s{step}/p{i}"
                 group = common_pb2.RolloutGroup(
                     group_id=group_id, job_id=spec.job_id, step=step, task=task, created_unix_ms=int(time.time() * 1000),
+                    trace_context=trace_context, step_groups=len(step_tasks),
                     trajectories=[common_pb2.Trajectory(
                         trajectory_id=f"{group_id}/{k}", group_id=group_id,
                         prompt_token_ids=result.prompt_token_ids, completion_token_ids=c.token_ids,

@@ -20,7 +20,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             spec = JobSpec.from_proto(request.spec)
         except InvalidArgument as e:  # JobSpec names its own fields; on the wire they sit under `spec`
             raise InvalidArgument(e.message, field=f"spec.{e.field}") from None
-        running = [j for j in self.jobs.values() if j.state == scheduler_pb2.JOB_STATE_RUNNING]
+        running = [j for j in self.jobs.values()
+                   if j.state in (scheduler_pb2.JOB_STATE_RUNNING, scheduler_pb2.JOB_STATE_PAUSED)]
         if running:
             raise FailedPrecondition(f"job {running[0].spec.job_id} is still running", field="job_id")
         if spec.job_id in self.jobs:
@@ -40,6 +41,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         job = self._job(request.job_id)
         job.stop()
         return scheduler_pb2.StopJobResponse(job=job.status())
+
+    def PauseJob(self, request, context):
+        reject_unknown_fields(request, "request")
+        job = self._job(request.job_id)
+        job.pause(request.reason)
+        return scheduler_pb2.PauseJobResponse(job=job.status())
+
+    def ResumeJob(self, request, context):
+        reject_unknown_fields(request, "request")
+        job = self._job(request.job_id)
+        job.resume()
+        return scheduler_pb2.ResumeJobResponse(job=job.status())
 
     def stop_all(self) -> None:
         for job in self.jobs.values():
