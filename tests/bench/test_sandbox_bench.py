@@ -174,7 +174,7 @@ def test_sandbox_bench(service, batch_service):
 
     def trivial_one():
         r = batch_client.execute(TRIVIAL, wall_seconds=10)
-        assert r.verdict == sandbox_pb2.OK and r.stdout == b"hello\n", r
+        assert r.verdict == sandbox_pb2.VERDICT_OK and r.stdout == b"hello\n", r
 
     def realistic_one():
         r = batch_client.run_tests(SOLUTION, [ASSERTIONS], wall_seconds=10)
