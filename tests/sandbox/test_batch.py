@@ -14,7 +14,7 @@ import json
 import grpc
 import pytest
 
-from temper.client.sdk import SandboxClient
+from temper.client.sdk import SandboxClient, verdict_name
 from temper.v1 import sandbox_pb2
 from tests.sandbox.helpers import verdict
 from tests.sandbox.test_correctness import PROGRAMS, WALL, bare_verdicts
@@ -198,7 +198,7 @@ def test_correctness_battery_in_one_group(batch_client):
             reqs.append(SandboxClient.tests_request(source, cases, language, wall_seconds=WALL))
         resp = batch_client.stub.RunTestsBatch(sandbox_pb2.RunTestsBatchRequest(programs=reqs), timeout=300)
         for (name, source, tests), res in zip(programs, resp.results):
-            got = ([sandbox_pb2.Verdict.Name(res.compile_verdict)] if res.compile_verdict != sandbox_pb2.VERDICT_OK
+            got = ([verdict_name(res.compile_verdict)] if res.compile_verdict != sandbox_pb2.VERDICT_OK
                    else [verdict(r) for r in res.results])
             assert got == bare_verdicts(language, source, tests), f"{language}/{name}"
 
