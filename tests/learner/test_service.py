@@ -37,6 +37,7 @@ CONFIG = """
 prompts_per_step = 4
 
 [model]
+preset = "tiny"
 dir = "{model_dir}"
 
 [learner]

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from temper.runtime.errors import TemperError
 from temper.runtime.launcher import SERVICES, Launcher
 
 
@@ -316,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ[f"TEMPER_{name.upper()}_LOG_LEVEL"] = args.log_level
     try:
         return args.fn(args)
-    except (RuntimeError, TimeoutError, ValueError, FileNotFoundError) as e:
+    except (RuntimeError, TimeoutError, ValueError, FileNotFoundError, TemperError) as e:
         print(f"temper: {e}", file=sys.stderr)
         return 1
 
