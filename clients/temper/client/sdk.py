@@ -194,6 +194,11 @@ class LearnerClient(_Client):
         """Checkpoint between steps (``path`` relative to the learner's checkpoint dir; "" = step-<N>)."""
         return self.stub.Checkpoint(learner_pb2.CheckpointRequest(path=path), timeout=self.timeout)
 
+    def export_policy(self, path: str, dtype: str = "", timeout: float | None = None) -> learner_pb2.ExportPolicyResponse:
+        """Write the current policy as an HF model folder at ``path`` (absolute, new or empty)."""
+        return self.stub.ExportPolicy(learner_pb2.ExportPolicyRequest(path=path, dtype=dtype),
+                                      timeout=timeout or self.timeout)
+
     def pause(self) -> learner_pb2.LearnerStatus:
         """Stop updates; returns once a step in flight has finished."""
         return self.stub.Pause(learner_pb2.PauseRequest(), timeout=self.timeout)

@@ -18,8 +18,10 @@ from temper.scheduler.core import JobSpec
 from temper.v1 import common_pb2, scheduler_pb2
 
 
-def follow_job(state: State, spec: JobSpec, timeout: float, echo=print) -> list[common_pb2.StepMetrics]:
-    """Submit ``spec`` and return the learner's StepMetrics for each of its steps, in order."""
+def follow_job(state: State, spec: JobSpec, timeout: float, echo=print
+               ) -> tuple[list[common_pb2.StepMetrics], scheduler_pb2.JobStatus]:
+    """Submit ``spec``; return the learner's StepMetrics for each of its steps, in order, and the job's
+    final status (with its evaluations) once it is DONE."""
     consumer = KafkaConsumer(bootstrap_servers=state.kafka_bootstrap, group_id=None, enable_auto_commit=False,
                              fetch_max_wait_ms=100)
     tp = TopicPartition(kafka.METRICS, 0)
@@ -30,10 +32,11 @@ def follow_job(state: State, spec: JobSpec, timeout: float, echo=print) -> list[
     status = scheduler.start_job(spec.to_proto())
     job_id = status.job_id
     steps: dict[int, common_pb2.StepMetrics] = {}
+    evals_seen = 0
     deadline = time.monotonic() + timeout
     bar = tqdm(total=spec.steps, desc="steps", unit="step", dynamic_ncols=True)
     try:
-        while len(steps) < spec.steps:
+        while True:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id}: {len(steps)} of {spec.steps} steps after {timeout:.0f}s")
             for records in consumer.poll(timeout_ms=500).values():
@@ -43,22 +46,48 @@ def follow_job(state: State, spec: JobSpec, timeout: float, echo=print) -> list[
                         continue
                     steps[m.step] = m
                     bar.update(1)
+                    lag = m.policy_version - 1 - m.mean_sample_policy_version
                     tqdm.write(f"step {m.step:4d}  reward {m.mean_reward:.3f}  policy v{m.policy_version}  "
-                               f"samples {m.samples}  {m.seconds:.2f}s  "
+                               f"lag {lag:.1f} (max {m.policy_version - 1 - m.min_sample_policy_version})  "
+                               f"samples {m.samples}  {m.values.get('tokens_per_second', 0.0):.0f} train tok/s  "
+                               f"{m.seconds:.2f}s  "
                                + "  ".join(f"{d} {v:.2f}" for d, v in sorted(m.domain_mean_reward.items())))
             job = scheduler.job(job_id)
+            for ev in job.evals[evals_seen:]:
+                tqdm.write(f"eval ({ev.phase}, policy v{ev.policy_version}, {ev.problems}/domain, {ev.seconds:.1f}s)  "
+                           + "  ".join(f"{d} {a:.2f}" for d, a in ev.accuracy.items()))
+            evals_seen = len(job.evals)
             if job.state in (scheduler_pb2.JOB_STATE_FAILED, scheduler_pb2.JOB_STATE_STOPPED):
                 raise RuntimeError(f"job {job_id} {scheduler_pb2.JobState.Name(job.state)}: {job.error}")
+            if len(steps) >= spec.steps and job.state == scheduler_pb2.JOB_STATE_DONE:
+                break
     finally:
         bar.close()
         consumer.close()
         scheduler.close()
-    return [steps[k] for k in sorted(steps)]
+    return [steps[k] for k in sorted(steps)][:spec.steps], job
+
+
+def eval_summary(evals) -> dict:
+    """before/after accuracy per domain and the gain, from a job's evaluations (empty without any)."""
+    if not evals:
+        return {}
+    first, last = evals[0], evals[-1]
+    return {
+        "before": {"policy_version": first.policy_version, "accuracy": dict(first.accuracy)},
+        "after": {"policy_version": last.policy_version, "accuracy": dict(last.accuracy)},
+        "gain": {d: last.accuracy[d] - first.accuracy[d] for d in first.accuracy if d in last.accuracy},
+        "problems_per_domain": first.problems,
+        "evals": [{"phase": e.phase, "policy_version": e.policy_version, "accuracy": dict(e.accuracy),
+                   "mean_reward": dict(e.mean_reward), "seconds": e.seconds, "generated_tokens": e.generated_tokens}
+                  for e in evals],
+    }
 
 
 def write_report(out_dir: Path, spec: JobSpec, config: dict, steps: list[common_pb2.StepMetrics],
-                 wall_seconds: float) -> Path:
-    """Write summary.json and reward_curve.png into ``out_dir``; point ``out_dir.parent/latest`` at it."""
+                 wall_seconds: float, status: scheduler_pb2.JobStatus | None = None, extra: dict | None = None) -> Path:
+    """Write summary.json, reward_curve.png (and eval_accuracy.png with evaluations) into ``out_dir``;
+    point ``out_dir.parent/latest`` at it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -68,6 +97,7 @@ def write_report(out_dir: Path, spec: JobSpec, config: dict, steps: list[common_
     k = max(1, len(steps) // 5)
     first = [m.mean_reward for m in steps[:k]]
     last = [m.mean_reward for m in steps[-k:]]
+    evals = list(status.evals) if status is not None else []
     summary = {
         "job": asdict(spec),
         "config": config,
@@ -75,9 +105,14 @@ def write_report(out_dir: Path, spec: JobSpec, config: dict, steps: list[common_
         "steps_per_minute": len(steps) / wall_seconds * 60 if wall_seconds else 0.0,
         "reward_first_steps": sum(first) / len(first) if first else 0.0,
         "reward_last_steps": sum(last) / len(last) if last else 0.0,
+        "eval": eval_summary(evals),
+        "eval_draws_skipped": status.eval_draws_skipped if status is not None else 0,
+        **(extra or {}),
         "steps": [{"step": m.step, "mean_reward": m.mean_reward, "policy_version": m.policy_version,
                    "samples": m.samples, "seconds": m.seconds,
                    "mean_sample_policy_version": m.mean_sample_policy_version,
+                   "min_sample_policy_version": m.min_sample_policy_version,
+                   "max_sample_policy_version": m.max_sample_policy_version,
                    "domain_mean_reward": dict(m.domain_mean_reward), "values": dict(m.values)} for m in steps],
     }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -94,8 +129,30 @@ def write_report(out_dir: Path, spec: JobSpec, config: dict, steps: list[common_
     fig.tight_layout()
     fig.savefig(out_dir / "reward_curve.png", dpi=100)
     plt.close(fig)
+    if evals:
+        plot_evals(evals, out_dir / "eval_accuracy.png")
     latest = out_dir.parent / "latest"
     if latest.is_symlink() or latest.exists():
         latest.unlink()
     latest.symlink_to(out_dir.name)
     return out_dir
+
+
+def plot_evals(evals, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for d in evals[0].accuracy:
+        pts = [(e.policy_version, e.accuracy[d]) for e in evals if d in e.accuracy]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=d)
+    ax.set_xlabel("policy version")
+    ax.set_ylabel(f"held-out greedy accuracy ({evals[0].problems} problems per domain)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

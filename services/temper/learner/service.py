@@ -28,7 +28,8 @@ class LearnerService(Service[LearnerConfig]):
         replicas = [stack.enter_context(client(InferenceClient, a)) for a in config.inference_addresses]
         self.loop = LearnerLoop(trainer, replay, replicas, None, config.groups_per_step, config.table,
                                 checkpoint_dir=config.checkpoint_dir or Path(config.data_dir) / "checkpoints",
-                                checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints)
+                                checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints,
+                                model_dir=config.model_dir)
         kafka.ensure_topics(config.kafka_bootstrap)
         self.loop.producer = kafka.ProtoProducer(config.kafka_bootstrap, client_id="temper-learner")
         stack.callback(self.loop.producer.close)
