@@ -103,3 +103,22 @@ def test_a_domain_the_reward_service_cannot_score_is_refused():
     with pytest.raises(InvalidArgument, match="rm model") as e:
         check_scorable(["math.fraction_sum"], [], listing)
     assert e.value.field == "domains"
+
+
+def test_a_response_prefix_needs_the_chat_template_and_is_scored_with_the_completion():
+    from temper.reward.core import score_group
+    from temper.v1 import common_pb2
+
+    with pytest.raises(InvalidArgument) as e:
+        JobSpec.from_dict({"response_prefix": "<answer>"}).validate()
+    assert e.value.field == "response_prefix"
+    JobSpec.from_dict({"response_prefix": "<answer>", "chat_template": True}).validate()
+    task = tasks.make_task("rg.chain_sum", random.Random(0), "t", CHAIN)
+    task.metadata["response_prefix"] = "<answer>"
+    group = common_pb2.RolloutGroup(group_id="g", task=task, trajectories=[
+        common_pb2.Trajectory(trajectory_id=f"g/{k}", group_id="g", completion_text=text, finish_reason=finish)
+        for k, (text, finish) in enumerate([(f"{task.reference_answer}</answer>", "stop"), ("nope</answer>", "stop"),
+                                            (task.reference_answer, "stop"), (task.reference_answer, "length")])])
+    rewards = [t.reward.total for t in score_group(group).trajectories]
+    # right; wrong; right and stopped (EOS closes the prefilled tag); cut off (no answer)
+    assert rewards == [1.0, 0.0, 1.0, 0.0]

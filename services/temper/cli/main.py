@@ -185,6 +185,9 @@ def cmd_eval(args) -> int:
     for d, c in domain_config.items():
         tasks.check_config(d, c, field=f"domain_config[{d}]")
     chat = info.has_chat_template if args.chat_template is None else args.chat_template
+    prefix = job.get("response_prefix", "") if args.response_prefix is None else args.response_prefix
+    if prefix and not chat:
+        raise ValueError("--response-prefix needs the chat template")
     max_tokens = args.max_tokens or int(job.get("eval", {}).get("max_tokens", 0) or job.get("max_tokens", 64))
     sets = EvalSets(domains, args.size, args.seed, domain_config)
     if args.engine:
@@ -200,13 +203,13 @@ def cmd_eval(args) -> int:
                     RewardClient(state.services["reward"].address) as reward:
                 def greedy(prompts, n_tokens):
                     return inference.generate(prompts, n=1, temperature=0.0, max_tokens=n_tokens,
-                                              apply_chat_template=chat)
+                                              apply_chat_template=chat, assistant_prefix=prefix)
 
-                result = evaluate(sets, greedy, reward.score, max_tokens, "standalone")
+                result = evaluate(sets, greedy, reward.score, max_tokens, "standalone", response_prefix=prefix)
         finally:
             launcher.down()
     out = {"model": str(info.dir), "engine": args.engine or config.get("inference", {}).get("engine", "vllm"),
-           "chat_template": chat, "size": args.size, "seed": args.seed, "max_tokens": max_tokens,
+           "chat_template": chat, "response_prefix": prefix, "size": args.size, "seed": args.seed, "max_tokens": max_tokens,
            "domain_config": domain_config, "accuracy": dict(result.accuracy), "mean_reward": dict(result.mean_reward),
            "seconds": result.seconds, "up_seconds": up_seconds, "generated_tokens": result.generated_tokens,
            "tokens_per_second": result.generated_tokens / result.seconds if result.seconds else 0.0}
@@ -418,6 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-tokens", type=int, default=0, help="per answer (default: the job's eval/max tokens)")
     ev.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
                     help="wrap prompts in the model's chat template (default: when it has one)")
+    ev.add_argument("--response-prefix", default=None, help='prefilled start of every answer, e.g. "<answer>" '
+                    "(default: the job's response_prefix)")
     ev.add_argument("--engine", default="", help="inference engine: vllm | hf (default: the config's)")
     ev.add_argument("--out", default="", help="write the result as JSON here")
     ev.add_argument("--timeout", type=float, default=300.0, help="start-up timeout, seconds")

@@ -61,6 +61,7 @@ class JobSpec:
     domain_config: dict[str, dict] = field(default_factory=dict)  # domain -> the family's own options
     chat_template: bool = False  # prompts as a user turn of the model's chat template
     eval: EvalConfig = field(default_factory=EvalConfig)
+    response_prefix: str = ""  # with chat_template: the prefilled start of every answer (scored with it)
 
     @classmethod
     def from_dict(cls, job: dict) -> JobSpec:
@@ -87,7 +88,8 @@ class JobSpec:
         spec = cls(job_id=p.job_id or f"job-{uuid.uuid4().hex[:8]}", steps=p.steps, prompts_per_step=p.prompts_per_step,
                    group_size=p.group_size, domains=list(p.domains) or ["toy.copy", "toy.next"],
                    max_policy_lag=p.max_policy_lag, temperature=p.temperature, max_tokens=p.max_tokens, seed=p.seed,
-                   domain_config=config, chat_template=p.chat_template, eval=EvalConfig.from_proto(p.eval))
+                   domain_config=config, chat_template=p.chat_template, eval=EvalConfig.from_proto(p.eval),
+                   response_prefix=p.response_prefix)
         spec.validate()
         return spec
 
@@ -108,6 +110,7 @@ class JobSpec:
         require(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
         require(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
         require(len(self.domains) > 0, "domains", "at least one domain")
+        require(not self.response_prefix or self.chat_template, "response_prefix", "needs chat_template = true")
         for d in self.domains:
             require(d in known_domains(), "domains",
                     f"unknown domain {d!r}; families: toy.*, math.*, code.*, rg.<reasoning-gym family>")
@@ -140,7 +143,8 @@ class JobSpec:
                                      max_tokens=self.max_tokens, seed=self.seed,
                                      domain_config={d: json.dumps(c, sort_keys=True)
                                                     for d, c in self.domain_config.items()},
-                                     chat_template=self.chat_template, eval=self.eval.to_proto())
+                                     chat_template=self.chat_template, eval=self.eval.to_proto(),
+                                     response_prefix=self.response_prefix)
 
 
 class Job:
@@ -174,7 +178,8 @@ class Job:
         self.draws_skipped = 0
         self.evals: list[scheduler_pb2.EvalResult] = []
         self.error = ""
-        self._next_eval = 0  # the serving version at which the next periodic evaluation is due
+        self._next_eval: int | None = None  # the serving version at which the next periodic evaluation is due
+        self._final_version = 0
         self._stop = threading.Event()
         self._rng = random.Random(spec.seed)
         self._thread = threading.Thread(target=self._run, name=f"job-{spec.job_id}", daemon=True)
@@ -203,6 +208,7 @@ class Job:
                 self._evaluate("before")
                 every = self.spec.eval.every
                 self._next_eval = start_version + every if every > 0 else None
+                self._final_version = start_version + self.spec.steps
             for step in range(self.spec.steps):
                 if not self._wait_for_policy(start_version + step - self.spec.max_policy_lag):
                     return
@@ -237,7 +243,8 @@ class Job:
 
     def _maybe_evaluate(self, serving: int) -> None:
         if self._next_eval is not None and self.eval_sets is not None and serving >= self._next_eval:
-            self._evaluate("during")
+            if serving < self._final_version:  # the last version gets the final evaluation instead
+                self._evaluate("during")
             while self._next_eval <= serving:
                 self._next_eval += self.spec.eval.every
 
@@ -246,7 +253,7 @@ class Job:
         with self._tracer.start_as_current_span("scheduler.eval", attributes={"temper.job_id": spec.job_id,
                                                                                "temper.eval.phase": phase}):
             result = evaluate(self.eval_sets, self._greedy, self._score, spec.eval.max_tokens or spec.max_tokens, phase,
-                              job_id=spec.job_id)
+                              job_id=spec.job_id, response_prefix=spec.response_prefix)
         self.evals.append(result)
         _log.info("eval", job_id=spec.job_id, phase=phase, policy_version=result.policy_version,
                   accuracy={d: round(a, 3) for d, a in result.accuracy.items()}, seconds=round(result.seconds, 2))
@@ -261,6 +268,8 @@ class Job:
                 task, skipped = draw_training_task(domain, self._rng, f"{spec.job_id}/s{step}/p{i}",
                                                    spec.domain_config.get(domain), self.eval_sets)
                 self.draws_skipped += skipped
+                if spec.response_prefix:
+                    task.metadata["response_prefix"] = spec.response_prefix
                 step_tasks.append(task)
             # a seed per step: a job's sampling is reproducible given the weights
             response = self._generate([t.prompt for t in step_tasks], spec, spec.seed * 1_000_003 + step)

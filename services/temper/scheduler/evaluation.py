@@ -107,7 +107,7 @@ Score = Callable[[common_pb2.RolloutGroup], common_pb2.RolloutGroup]
 
 
 def evaluate(eval_sets: EvalSets, generate: Generate, score: Score, max_tokens: int, phase: str,
-             job_id: str = "eval", workers: int = 8) -> scheduler_pb2.EvalResult:
+             job_id: str = "eval", workers: int = 8, response_prefix: str = "") -> scheduler_pb2.EvalResult:
     """Greedy answers to every held-out problem in one generate call (so one policy version answers
     all of them), each scored by ``score``; accuracy = fraction with reward >= 1."""
     t0 = time.perf_counter()
@@ -116,6 +116,10 @@ def evaluate(eval_sets: EvalSets, generate: Generate, score: Score, max_tokens: 
     groups = []
     for i, ((_, task), result) in enumerate(zip(items, response.results)):
         c = result.completions[0]
+        if response_prefix:
+            task = common_pb2.Task()
+            task.CopyFrom(items[i][1])
+            task.metadata["response_prefix"] = response_prefix
         gid = f"{job_id}/eval-v{response.policy_version}/{phase}/{i}"
         groups.append(common_pb2.RolloutGroup(
             group_id=gid, job_id=job_id, task=task, trajectories=[common_pb2.Trajectory(
