@@ -15,10 +15,11 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """One `temper run` of the embedded default job in a private home; returns (home, summary)."""
+    """One `temper run --job toy` (the tiny model's job) in a private home; returns (home, summary)."""
     base = tmp_path_factory.mktemp("e2e")
     home, runs = base / "home", base / "runs"
-    proc = subprocess.run([sys.executable, "-m", "temper.cli.main", "--home", str(home), "run", "--runs", str(runs)],
+    proc = subprocess.run([sys.executable, "-m", "temper.cli.main", "--home", str(home), "run", "--job", "toy",
+                           "--runs", str(runs)],
                           capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((runs / "latest" / "summary.json").read_text())

@@ -61,3 +61,32 @@ def test_logprobs_match_teacher_forcing_before_and_after_an_update(smollm2):
         assert max_logprob_error(teacher, results, 0.8) < 1e-3
     finally:
         set_weights(teacher, checkpoint)
+
+
+def test_inference_and_learner_tokenize_and_load_identically(smollm2):
+    """The learner trains on the token ids inference produced: the chat template, special tokens and
+    EOS must be the HF tokenizer's own, and both sides must hold the same tensors."""
+    from transformers import AutoTokenizer
+
+    from temper.learner.trainer import Trainer, TrainerConfig
+    from temper.models import resolve_model
+
+    engine, teacher = smollm2
+    info = resolve_model({"dir": str(MODEL_DIR)})
+    hf = AutoTokenizer.from_pretrained(info.dir)
+    for q in ("What is 2+3?", "Give your final answer inside <answer></answer> tags."):
+        expected = hf.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        expected = expected["input_ids"] if isinstance(expected, dict) else list(expected)
+        assert engine.encode(q, apply_chat_template=True) == list(expected)
+    # EOS: a completion that stops ends with the model's EOS id (<|im_end|>), which the learner trains on
+    results, _ = engine.generate([engine.encode("Say hi.", apply_chat_template=True)],
+                                 SamplingParams(temperature=0.0, max_tokens=64))
+    c = results[0].completions[0]
+    assert c.finish_reason == "stop" and c.token_ids[-1] in info.eos_token_ids, (c.finish_reason, c.token_ids[-3:])
+    assert "<|im_end|>" not in c.text  # special tokens are not in the text the verifier reads
+    weights = Trainer(info.dir, TrainerConfig()).weights()
+    specs = engine.weight_specs()
+    assert set(weights) == set(specs)
+    assert all(tuple(t.shape) == specs[n][0] for n, t in weights.items())
+    teacher_params = dict(teacher.named_parameters())
+    assert all(torch.equal(t, teacher_params[n]) for n, t in weights.items())

@@ -181,11 +181,11 @@ def test_batched_group_scores_as_one_call_per_program(batch_sandbox, code_scorer
     counted = Counting(sandbox_runner(batch_sandbox.address))
     batched = Scorer(RewardSettings(code=CodeOptions(batch_size=4)), sandbox=counted)
     try:
-        scored = batched.score_group(group("code", SUM_SUITE, texts))
+        scored = batched.score_group(rollout_group("code", SUM_SUITE, texts))
     finally:
         batched.close()
     assert counted.calls == 2  # 6 distinct programs in calls of up to 4
-    alone = code_scorer.score_group(group("code", SUM_SUITE, texts))
+    alone = code_scorer.score_group(rollout_group("code", SUM_SUITE, texts))
     assert values(scored) == values(alone) == pytest.approx([1.0, 2 / 3, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0])
     assert ([component(t, "code.pass_fraction").detail for t in scored.trajectories]
             == [component(t, "code.pass_fraction").detail for t in alone.trajectories])

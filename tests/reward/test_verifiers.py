@@ -131,7 +131,7 @@ def test_unsound_contains_verifier_is_exploitable_by_design():
 
     s = Scorer(RewardSettings(domains={"toy": DomainSpec(weights={"exact_answer.contains": 1.0, "exact_answer": 0.0})}))
     try:
-        scored = s.score_group(group("toy.copy", "4", ["4", "0 1 2 3 4 5", "5 6", "14"]))
+        scored = s.score_group(rollout_group("toy.copy", "4", ["4", "0 1 2 3 4 5", "5 6", "14"]))
     finally:
         s.close()
     assert [t.reward.total for t in scored.trajectories] == [1.0, 1.0, 0.0, 0.0]

@@ -21,6 +21,8 @@ from temper.v1 import common_pb2, monitor_pb2, scheduler_pb2
 from tests.conftest import wait_until
 from tests.monitor.test_core import group
 
+pytestmark = pytest.mark.slow  # starts processes
+
 CONFIG = """
 [job]
 prompts_per_step = 2

@@ -35,7 +35,7 @@ def test_help_of_the_entry_point_exits_0():
 def test_wiring_is_declared_by_the_configs():
     assert {s: dependencies(s) for s in SERVICES} == {
         "inference": set(), "sandbox": set(), "reward": {"sandbox"}, "replay": set(), "monitor": {"scheduler"},
-        "learner": {"replay", "inference"}, "scheduler": {"inference"}}
+        "learner": {"replay", "inference"}, "scheduler": {"inference", "reward"}}
     assert [s for s in SERVICES if any(w.get("model") for w in wiring(config_class(s)).values())] == \
         ["inference", "learner"]
     assert wiring(config_class("learner"))["groups_per_step"] == {"from_job": "prompts_per_step"}

@@ -75,8 +75,10 @@ class InferenceClient(_Client):
 
     def generate(self, prompts: Iterable[str | list[int]], n: int = 1, temperature: float = 1.0,
                  max_tokens: int = 16, top_p: float = 1.0, top_k: int = 0, stop: Iterable[str] = (),
-                 seed: int | None = None, apply_chat_template: bool = False) -> inference_pb2.GenerateResponse:
-        msgs = [inference_pb2.Prompt(text=p, apply_chat_template=apply_chat_template) if isinstance(p, str)
+                 seed: int | None = None, apply_chat_template: bool = False,
+                 assistant_prefix: str = "") -> inference_pb2.GenerateResponse:
+        msgs = [inference_pb2.Prompt(text=p, apply_chat_template=apply_chat_template, assistant_prefix=assistant_prefix)
+                if isinstance(p, str)
                 else inference_pb2.Prompt(token_ids=inference_pb2.TokenIds(ids=p)) for p in prompts]
         sampling = inference_pb2.SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, top_p=top_p,
                                                 top_k=top_k, stop=list(stop), seed=seed)
@@ -295,6 +297,11 @@ class LearnerClient(_Client):
     def checkpoint(self, path: str = "") -> learner_pb2.CheckpointResponse:
         """Checkpoint between steps (``path`` relative to the learner's checkpoint dir; "" = step-<N>)."""
         return self.stub.Checkpoint(learner_pb2.CheckpointRequest(path=path), timeout=self.timeout)
+
+    def export_policy(self, path: str, dtype: str = "", timeout: float | None = None) -> learner_pb2.ExportPolicyResponse:
+        """Write the current policy as an HF model folder at ``path`` (absolute, new or empty)."""
+        return self.stub.ExportPolicy(learner_pb2.ExportPolicyRequest(path=path, dtype=dtype),
+                                      timeout=timeout or self.timeout)
 
     def pause(self) -> learner_pb2.LearnerStatus:
         """Stop updates; returns once a step in flight has finished."""

@@ -47,7 +47,8 @@ def _sample(group: common_pb2.RolloutGroup, t: common_pb2.Trajectory) -> dict:
 
 
 def follow_job(state: State, spec: JobSpec, timeout: float, echo=print) -> Followed:
-    """Submit ``spec``; follow the learner's StepMetrics until every step is in or the job is paused."""
+    """Submit ``spec``; follow the learner's StepMetrics until the job is DONE (every step in, final evaluation
+    taken) or paused; the status carries the job's evaluations."""
     consumer = KafkaConsumer(bootstrap_servers=state.kafka_bootstrap, group_id=None, enable_auto_commit=False,
                              fetch_max_wait_ms=100)
     tp, tp_scored = TopicPartition(kafka.METRICS, 0), TopicPartition(kafka.SCORED, 0)
@@ -60,10 +61,11 @@ def follow_job(state: State, spec: JobSpec, timeout: float, echo=print) -> Follo
     job_id = status.job_id
     steps: dict[int, common_pb2.StepMetrics] = {}
     samples: dict[int, list[dict]] = {}
+    evals_seen = 0
     deadline = time.monotonic() + timeout
     bar = tqdm(total=spec.steps, desc="steps", unit="step", dynamic_ncols=True)
     try:
-        while len(steps) < spec.steps:
+        while True:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id}: {len(steps)} of {spec.steps} steps after {timeout:.0f}s")
             for part, records in consumer.poll(timeout_ms=500).items():
@@ -79,15 +81,24 @@ def follow_job(state: State, spec: JobSpec, timeout: float, echo=print) -> Follo
                         continue
                     steps[m.step] = m
                     bar.update(1)
+                    lag = m.policy_version - 1 - m.mean_sample_policy_version
                     tqdm.write(f"step {m.step:4d}  reward {m.mean_reward:.3f}  policy v{m.policy_version}  "
-                               f"samples {m.samples}  {m.seconds:.2f}s  "
+                               f"lag {lag:.1f} (max {m.policy_version - 1 - m.min_sample_policy_version})  "
+                               f"samples {m.samples}  {m.values.get('tokens_per_second', 0.0):.0f} train tok/s  "
+                               f"{m.seconds:.2f}s  "
                                + "  ".join(f"{d} {v:.2f}" for d, v in sorted(m.domain_mean_reward.items())))
-            status = scheduler.job(job_id)
+            status = job = scheduler.job(job_id)
             if status.state == scheduler_pb2.JOB_STATE_PAUSED:
                 tqdm.write(f"job {job_id} PAUSED: {status.pause_reason}")
                 break
-            if status.state in (scheduler_pb2.JOB_STATE_FAILED, scheduler_pb2.JOB_STATE_STOPPED):
-                raise RuntimeError(f"job {job_id} {scheduler_pb2.JobState.Name(status.state)}: {status.error}")
+            for ev in job.evals[evals_seen:]:
+                tqdm.write(f"eval ({ev.phase}, policy v{ev.policy_version}, {ev.problems}/domain, {ev.seconds:.1f}s)  "
+                           + "  ".join(f"{d} {a:.2f}" for d, a in ev.accuracy.items()))
+            evals_seen = len(job.evals)
+            if job.state in (scheduler_pb2.JOB_STATE_FAILED, scheduler_pb2.JOB_STATE_STOPPED):
+                raise RuntimeError(f"job {job_id} {scheduler_pb2.JobState.Name(job.state)}: {job.error}")
+            if len(steps) >= spec.steps and job.state == scheduler_pb2.JOB_STATE_DONE:
+                break
     finally:
         bar.close()
         consumer.close()
@@ -98,12 +109,31 @@ def follow_job(state: State, spec: JobSpec, timeout: float, echo=print) -> Follo
             alerts = monitor.list_alerts(job_id=job_id)
         for a in alerts:
             echo(f"ALERT {a.detector} [{a.domain}] step {a.step}: {a.message} -> {a.action_result or 'warned'}")
-    return Followed([steps[k] for k in sorted(steps)], status, alerts, {k: v for k, v in sorted(samples.items()) if v})
+    return Followed([steps[k] for k in sorted(steps)][:spec.steps], status, alerts,
+                    {k: v for k, v in sorted(samples.items()) if v})
+
+
+def eval_summary(evals) -> dict:
+    """before/after accuracy per domain and the gain, from a job's evaluations (empty without any)."""
+    if not evals:
+        return {}
+    first, last = evals[0], evals[-1]
+    return {
+        "before": {"policy_version": first.policy_version, "accuracy": dict(first.accuracy)},
+        "after": {"policy_version": last.policy_version, "accuracy": dict(last.accuracy)},
+        "gain": {d: last.accuracy[d] - first.accuracy[d] for d in first.accuracy if d in last.accuracy},
+        "problems_per_domain": first.problems,
+        "evals": [{"phase": e.phase, "policy_version": e.policy_version, "accuracy": dict(e.accuracy),
+                   "mean_reward": dict(e.mean_reward), "seconds": e.seconds, "generated_tokens": e.generated_tokens}
+                  for e in evals],
+    }
 
 
 def write_report(out_dir: Path, spec: JobSpec, config: dict, steps: list[common_pb2.StepMetrics],
-                 wall_seconds: float, followed: Followed | None = None) -> Path:
-    """Write summary.json and reward_curve.png into ``out_dir``; point ``out_dir.parent/latest`` at it."""
+                 wall_seconds: float, followed: Followed | None = None, extra: dict | None = None) -> Path:
+    """Write summary.json, reward_curve.png (and eval_accuracy.png with evaluations) into ``out_dir``;
+    point ``out_dir.parent/latest`` at it."""
+    status = followed.status if followed is not None else None
     import matplotlib
 
     matplotlib.use("Agg")
@@ -113,6 +143,7 @@ def write_report(out_dir: Path, spec: JobSpec, config: dict, steps: list[common_
     k = max(1, len(steps) // 5)
     first = [m.mean_reward for m in steps[:k]]
     last = [m.mean_reward for m in steps[-k:]]
+    evals = list(status.evals) if status is not None else []
     summary = {
         "job": asdict(spec),
         "config": config,
@@ -120,9 +151,14 @@ def write_report(out_dir: Path, spec: JobSpec, config: dict, steps: list[common_
         "steps_per_minute": len(steps) / wall_seconds * 60 if wall_seconds else 0.0,
         "reward_first_steps": sum(first) / len(first) if first else 0.0,
         "reward_last_steps": sum(last) / len(last) if last else 0.0,
+        "eval": eval_summary(evals),
+        "eval_draws_skipped": status.eval_draws_skipped if status is not None else 0,
+        **(extra or {}),
         "steps": [{"step": m.step, "mean_reward": m.mean_reward, "policy_version": m.policy_version,
                    "samples": m.samples, "seconds": m.seconds,
                    "mean_sample_policy_version": m.mean_sample_policy_version,
+                   "min_sample_policy_version": m.min_sample_policy_version,
+                   "max_sample_policy_version": m.max_sample_policy_version,
                    "domain_mean_reward": dict(m.domain_mean_reward), "values": dict(m.values)} for m in steps],
     }
     if followed is not None:
@@ -144,8 +180,30 @@ def write_report(out_dir: Path, spec: JobSpec, config: dict, steps: list[common_
     fig.tight_layout()
     fig.savefig(out_dir / "reward_curve.png", dpi=100)
     plt.close(fig)
+    if evals:
+        plot_evals(evals, out_dir / "eval_accuracy.png")
     latest = out_dir.parent / "latest"
     if latest.is_symlink() or latest.exists():
         latest.unlink()
     latest.symlink_to(out_dir.name)
     return out_dir
+
+
+def plot_evals(evals, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for d in evals[0].accuracy:
+        pts = [(e.policy_version, e.accuracy[d]) for e in evals if d in e.accuracy]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=d)
+    ax.set_xlabel("policy version")
+    ax.set_ylabel(f"held-out greedy accuracy ({evals[0].problems} problems per domain)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -4,7 +4,8 @@
   temper status             health and address of each process
   temper down               stop everything `up` started
   temper restart SERVICE    stop one service and start it again (--kill: SIGKILL)
-  temper run                up + the default job + report (runs/latest) + down
+  temper run [--job NAME]   up + a job (default: the shipped default job) + report (runs/latest) + down
+  temper eval --model DIR --domains D [D ...]   held-out greedy accuracy of a model folder alone
   temper doctor             check what this machine needs, and say how to fix what is missing
   temper sandbox languages  the languages the sandbox runs, with their aliases (python, py, c++, sh, ...)
   temper sandbox exec FILE  run FILE in the gVisor sandbox service; prints the verdict as JSON ("status")
@@ -20,11 +21,22 @@ import sys
 import time
 from pathlib import Path
 
+from temper.runtime.errors import TemperError
 from temper.runtime.launcher import SERVICES, Launcher
 
 
+def _config_path(args) -> Path | None:
+    """--config FILE or --job NAME (a shipped job); neither: the shipped default job."""
+    from temper import jobs
+
+    job = getattr(args, "job", None)
+    if job and args.config:
+        raise ValueError("give --config FILE or --job NAME, not both")
+    return jobs.path(job) if job else args.config
+
+
 def _launcher(args) -> Launcher:
-    return Launcher(home=args.home, config=args.config)
+    return Launcher(home=args.home, config=_config_path(args))
 
 
 def cmd_up(args) -> int:
@@ -103,19 +115,24 @@ def cmd_restart(args) -> int:
     return 0
 
 
-def job_spec(table: dict, source: Path):
+def job_spec(table: dict, source: Path, steps: int = 0, seed: int | None = None):
     """The [job] table as a validated JobSpec; a user mistake is a ValueError naming table, key and allowed values."""
     import dataclasses
 
     from temper.runtime.errors import InvalidArgument
     from temper.scheduler.core import JobSpec
 
+    table = dict(table)
+    if steps:
+        table["steps"] = steps
+    if seed is not None:
+        table["seed"] = seed
     allowed = [f.name for f in dataclasses.fields(JobSpec)]
     unknown = sorted(set(table) - set(allowed))
     if unknown:
         raise ValueError(f"{source}: [job] has unknown key(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
     try:
-        spec = JobSpec(**table)
+        spec = JobSpec.from_dict(table)
         spec.validate()
     except InvalidArgument as e:
         raise ValueError(f"{source}: [job] {e}") from None
@@ -124,33 +141,131 @@ def job_spec(table: dict, source: Path):
 
 def cmd_run(args) -> int:
     from temper.cli.job import follow_job, write_report
+    from temper.client.sdk import LearnerClient
+    from temper.models import resolve_model
 
     launcher = _launcher(args)
     config = launcher.config()
-    job = dict(config.get("job", {}))
-    if args.steps:
-        job["steps"] = args.steps
-    spec = job_spec(job, launcher.config_path)
+    spec = job_spec(config.get("job", {}), launcher.config_path, args.steps, args.seed)
+    # refused before anything starts: held-out sets that overlap training, a model the job cannot use
+    spec.eval_sets()
+    model = resolve_model(config.get("model"), home=launcher.home, build=False)
+    if spec.chat_template and model.preset != "tiny":
+        from temper.runtime.errors import require
+
+        require(model.has_chat_template, "job.chat_template", f"the model {model.dir} has no chat template")
+    elif spec.chat_template:
+        raise ValueError("job.chat_template: the tiny recipe has no chat template")
+    out = (Path(args.runs) / time.strftime("%Y%m%d-%H%M%S")).resolve()
     t0 = time.monotonic()
-    print(f"starting Temper ({', '.join(SERVICES)}) ...", flush=True)
+    print(f"starting Temper ({', '.join(SERVICES)}) with {model.dir} ...", flush=True)
     state = launcher.up(timeout=args.timeout)
     try:
-        print(f"up in {time.monotonic() - t0:.1f}s; job: {spec.steps} steps x {spec.prompts_per_step} prompts x "
-              f"{spec.group_size} samples over {', '.join(spec.domains)}", flush=True)
+        up_seconds = time.monotonic() - t0
+        print(f"up in {up_seconds:.1f}s; job: {spec.steps} steps x {spec.prompts_per_step} prompts x "
+              f"{spec.group_size} samples over {', '.join(spec.domains)} (max policy lag {spec.max_policy_lag})",
+              flush=True)
         t1 = time.monotonic()
         followed = follow_job(state, spec, timeout=args.job_timeout)
         steps = followed.steps
         wall = time.monotonic() - t1
+        with LearnerClient(state.services["learner"].address) as learner:
+            exported = learner.export_policy(str(out / "policy"), timeout=600)
     finally:
         launcher.down()
-    out = write_report(Path(args.runs) / time.strftime("%Y%m%d-%H%M%S"), spec, config, steps, wall, followed)
+    out = write_report(out, spec, config, steps, wall, followed,
+                       extra={"model_dir": str(model.dir), "up_seconds": up_seconds,
+                              "total_seconds": time.monotonic() - t0,
+                              "policy": {"path": exported.path, "policy_version": exported.policy_version,
+                                         "bytes": exported.bytes}})
     summary = json.loads((out / "summary.json").read_text())
     print(f"reward {summary['reward_first_steps']:.3f} (first steps) -> {summary['reward_last_steps']:.3f} "
           f"(last steps); {summary['steps_per_minute']:.1f} steps/min; report: {out}/summary.json, "
-          f"{out}/reward_curve.png")
+          f"{out}/reward_curve.png; policy: {exported.path}")
+    ev = summary["eval"]
+    if ev:
+        print("held-out accuracy: " + "  ".join(
+            f"{d} {ev['before']['accuracy'][d]:.2f} -> {ev['after']['accuracy'][d]:.2f}" for d in ev["gain"])
+            + f"  ({out}/eval_accuracy.png)")
     if followed.paused:
         print(f"the monitor paused the job after {len(steps)} of {spec.steps} steps: {followed.status.pause_reason}")
         return 3
+    return 0
+
+
+class _ModelLauncher(Launcher):
+    """A launcher whose [model] is the folder given on the command line (temper eval)."""
+
+    def __init__(self, home, config, model_dir: str):
+        super().__init__(home=home, config=config)
+        self.model_table = {"dir": str(Path(model_dir).resolve())}
+
+    def config(self) -> dict:
+        return {**super().config(), "model": self.model_table}
+
+
+def cmd_eval(args) -> int:
+    import os
+    import tempfile
+
+    from temper.client.sdk import InferenceClient, RewardClient
+    from temper.models import check_model_dir
+    from temper.scheduler.evaluation import EvalSets, evaluate
+
+    info = check_model_dir(Path(args.model), field="--model")
+    base = _launcher(args)
+    config = base.config()
+    job = dict(config.get("job", {}))
+    domains = args.domains or list(job.get("domains", []))
+    if not domains:
+        raise ValueError("--domains: at least one domain")
+    domain_config = dict(job.get("domain_config", {}))
+    if args.domain_config:
+        domain_config.update(json.loads(args.domain_config))
+    domain_config = {d: c for d, c in domain_config.items() if d in domains}
+    from temper import tasks
+    from temper.scheduler.core import known_domains
+
+    for d in domains:
+        if d not in known_domains():
+            raise ValueError(f"--domains: unknown domain {d!r}")
+    for d, c in domain_config.items():
+        tasks.check_config(d, c, field=f"domain_config[{d}]")
+    chat = info.has_chat_template if args.chat_template is None else args.chat_template
+    prefix = job.get("response_prefix", "") if args.response_prefix is None else args.response_prefix
+    if prefix and not chat:
+        raise ValueError("--response-prefix needs the chat template")
+    max_tokens = args.max_tokens or int(job.get("eval", {}).get("max_tokens", 0) or job.get("max_tokens", 64))
+    sets = EvalSets(domains, args.size, args.seed, domain_config)
+    if args.engine:
+        os.environ["TEMPER_INFERENCE_ENGINE"] = args.engine
+    services = ["inference", "reward"] + (["sandbox"] if any(d.startswith("code.") for d in domains) else [])
+    with tempfile.TemporaryDirectory(prefix="temper-eval-") as home:
+        launcher = _ModelLauncher(home, base.config_path, args.model)
+        t0 = time.monotonic()
+        state = launcher.up(services, timeout=args.timeout)
+        try:
+            up_seconds = time.monotonic() - t0
+            with InferenceClient(state.services["inference"].address, timeout=3600) as inference, \
+                    RewardClient(state.services["reward"].address) as reward:
+                def greedy(prompts, n_tokens):
+                    return inference.generate(prompts, n=1, temperature=0.0, max_tokens=n_tokens,
+                                              apply_chat_template=chat, assistant_prefix=prefix)
+
+                result = evaluate(sets, greedy, reward.score, max_tokens, "standalone", response_prefix=prefix)
+        finally:
+            launcher.down()
+    out = {"model": str(info.dir), "engine": args.engine or config.get("inference", {}).get("engine", "vllm"),
+           "chat_template": chat, "response_prefix": prefix, "size": args.size, "seed": args.seed, "max_tokens": max_tokens,
+           "domain_config": domain_config, "accuracy": dict(result.accuracy), "mean_reward": dict(result.mean_reward),
+           "seconds": result.seconds, "up_seconds": up_seconds, "generated_tokens": result.generated_tokens,
+           "tokens_per_second": result.generated_tokens / result.seconds if result.seconds else 0.0}
+    for d in domains:
+        print(f"{d:<32} accuracy {result.accuracy[d]:.3f}  mean reward {result.mean_reward[d]:.3f}")
+    print(f"{args.size} problems per domain (seed {args.seed}), greedy, {max_tokens} tokens max, "
+          f"{out['tokens_per_second']:.0f} tok/s")
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=2))
     return 0
 
 
@@ -258,6 +373,12 @@ def cmd_sandbox_test(args) -> int:
     return 0 if status == "OK" else 1
 
 
+def _job_names() -> list[str]:
+    from temper import jobs
+
+    return jobs.names()
+
+
 def cmd_sandbox_languages(args) -> int:
     from temper.runtime.config import load_config
     from temper.sandbox.config import SandboxConfig
@@ -292,8 +413,8 @@ def _global_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
     d = (lambda v: v) if defaults else (lambda v: argparse.SUPPRESS)
     parser.add_argument("--home", default=d(os.environ.get("TEMPER_HOME", ".temper")),
                         help="where state, logs and data live (default $TEMPER_HOME, else .temper)")
-    parser.add_argument("--config", default=d(None), help="job/service TOML config (default: the shipped job "
-                                                          "temper/jobs/toy.toml)")
+    parser.add_argument("--config", default=d(None), help="job/service TOML config (default: the shipped default "
+                                                          "job, temper/jobs; or --job NAME where offered)")
     parser.add_argument("--log-level", default=d(None), choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="log level of the services this command starts")
 
@@ -329,8 +450,11 @@ def build_parser() -> argparse.ArgumentParser:
     rs = command("restart", cmd_restart, "stop one service and start it again on the same address")
     rs.add_argument("service", choices=SERVICES)
     rs.add_argument("--kill", action="store_true", help="SIGKILL instead of a graceful SIGTERM")
-    run = command("run", cmd_run, "run the embedded default job")
+    run = command("run", cmd_run, "run a job (default: the shipped default job)")
+    run.add_argument("--job", default=None, help="a shipped job by name (temper.jobs: " + ", ".join(_job_names())
+                     + "); default: the shipped default")
     run.add_argument("--steps", type=int, default=0, help="override the job's steps")
+    run.add_argument("--seed", type=int, default=None, help="override the job's seed")
     run.add_argument("--runs", default="runs", help="reports go to RUNS/<time>/ and RUNS/latest")
     run.add_argument("--timeout", type=float, default=180.0, help="start-up timeout, seconds")
     run.add_argument("--job-timeout", type=float, default=1800.0)
@@ -343,6 +467,21 @@ def build_parser() -> argparse.ArgumentParser:
     al.add_argument("--json", action="store_true")
     command("resume", cmd_resume, "continue a paused job").add_argument("job")
     command("doctor", cmd_doctor, "check what this machine needs (runsc, broker, model, memory, ports)")
+    ev = command("eval", cmd_eval, "held-out greedy accuracy of a model folder, through inference and reward")
+    ev.add_argument("--model", required=True, help="a Hugging Face causal-LM folder")
+    ev.add_argument("--domains", nargs="+", default=None, help="domains (default: the job's)")
+    ev.add_argument("--job", default=None, help="take domains, domain_config and settings from this shipped job")
+    ev.add_argument("--domain-config", default="", help='JSON: {"rg.chain_sum": {"max_terms": 2}, ...}')
+    ev.add_argument("--size", type=int, default=50, help="problems per domain")
+    ev.add_argument("--seed", type=int, default=1_000_003, help="the eval sets' seed (a job's default)")
+    ev.add_argument("--max-tokens", type=int, default=0, help="per answer (default: the job's eval/max tokens)")
+    ev.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
+                    help="wrap prompts in the model's chat template (default: when it has one)")
+    ev.add_argument("--response-prefix", default=None, help='prefilled start of every answer, e.g. "<answer>" '
+                    "(default: the job's response_prefix)")
+    ev.add_argument("--engine", default="", help="inference engine: vllm | hf (default: the config's)")
+    ev.add_argument("--out", default="", help="write the result as JSON here")
+    ev.add_argument("--timeout", type=float, default=300.0, help="start-up timeout, seconds")
     sb = sub.add_parser("sandbox", help="run code in the gVisor sandbox service (the running one, else a short-lived one)",
                         parents=[common])
     sbsub = sb.add_subparsers(dest="sandbox_command", required=True)
@@ -372,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ[f"TEMPER_{name.upper()}_LOG_LEVEL"] = args.log_level
     try:
         return args.fn(args)
-    except (RuntimeError, TimeoutError, ValueError, FileNotFoundError) as e:
+    except (RuntimeError, TimeoutError, ValueError, FileNotFoundError, TemperError) as e:
         print(f"temper: {e}", file=sys.stderr)
         return 1
 

@@ -116,14 +116,17 @@ class Engine(ABC):
         self._thread.start()
 
     # -- prompts ---------------------------------------------------------------------------
-    def encode(self, text: str, apply_chat_template: bool = False, field_name: str = "prompt") -> list[int]:
+    def encode(self, text: str, apply_chat_template: bool = False, field_name: str = "prompt",
+               assistant_prefix: str = "") -> list[int]:
+        if assistant_prefix and not apply_chat_template:
+            raise InvalidArgument("needs apply_chat_template", field=f"{field_name}.assistant_prefix")
         if apply_chat_template:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise InvalidArgument("this model's tokenizer has no chat template",
                                       field=f"{field_name}.apply_chat_template")
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                                       add_generation_prompt=True, tokenize=False)
-            return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+            return list(self.tokenizer(text + assistant_prefix, add_special_tokens=False).input_ids)
         return list(self.tokenizer(text, add_special_tokens=True).input_ids)
 
     def validate(self, prompts: list[list[int]], params: SamplingParams) -> None:

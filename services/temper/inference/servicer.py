@@ -27,7 +27,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             require(kind is not None, f"prompts[{i}]", "set text or token_ids")
             if kind == "text":
                 require(bool(p.text), f"prompts[{i}].text", "empty prompt")
-                prompts.append(self.engine.encode(p.text, p.apply_chat_template, field_name=f"prompts[{i}]"))
+                prompts.append(self.engine.encode(p.text, p.apply_chat_template, field_name=f"prompts[{i}]",
+                                                  assistant_prefix=p.assistant_prefix))
             else:
                 prompts.append(list(p.token_ids.ids))
         s = request.sampling

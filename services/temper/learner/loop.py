@@ -61,8 +61,10 @@ class LearnerLoop:
     def __init__(self, trainer: Trainer, replay: ReplayClient, replicas: list[InferenceClient],
                  producer: kafka.ProtoProducer | None, groups_per_step: int, table: str = "default",
                  sample_timeout_ms: int = 5_000, checkpoint_dir: str | Path | None = None,
-                 checkpoint_every: int = 0, keep_checkpoints: int = 3, priority_signal: str = "none"):
+                 checkpoint_every: int = 0, keep_checkpoints: int = 3, priority_signal: str = "none",
+                 model_dir: str | Path | None = None):
         self.trainer = trainer
+        self.model_dir = model_dir  # the folder the policy started from (config, tokenizer of exports)
         self.replay = replay
         self.replicas = replicas
         self.producer = producer
@@ -143,7 +145,9 @@ class LearnerLoop:
                 mean_reward=batch.rewards.mean().item(), samples=len(batch.rewards),
                 seconds=time.perf_counter() - t0, values=values,
                 domain_mean_reward={d: sum(v) / len(v) for d, v in domain_rewards.items()},
-                mean_sample_policy_version=batch.policy_versions.float().mean().item())
+                mean_sample_policy_version=batch.policy_versions.float().mean().item(),
+                min_sample_policy_version=int(batch.policy_versions.min()),
+                max_sample_policy_version=int(batch.policy_versions.max()))
             span.set_attribute("temper.policy_version", version)
             if self.producer is not None:
                 self.producer.send(kafka.METRICS, batch.job_id or "learner", metrics).get(30)
@@ -261,6 +265,16 @@ class LearnerLoop:
             POLICY_VERSION.set(s.policy_version)
         _log.info("resumed", step=s.step, policy_version=s.policy_version, path=str(path))
         return True
+
+    def export_policy(self, path: str, dtype: str = "") -> tuple[Path, int, int, int]:
+        """The current policy as an HF folder at ``path`` (between steps); (path, step, version, bytes)."""
+        from temper.learner.export import export_policy
+
+        with self._lock:
+            step, version = self.trainer.step_count, self.trainer.policy_version
+            size = export_policy(self.trainer.weights(), self.model_dir, path, dtype,
+                                 meta={"step": step, "policy_version": version})
+        return Path(path), step, version, size
 
     # -- control -------------------------------------------------------------------------------
     def pause(self) -> None:

@@ -29,7 +29,7 @@ class LearnerService(Service[LearnerConfig]):
         self.loop = LearnerLoop(trainer, replay, replicas, None, config.groups_per_step, config.table,
                                 checkpoint_dir=config.checkpoint_dir or Path(config.data_dir) / "checkpoints",
                                 checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints,
-                                priority_signal=config.priority_signal)
+                                priority_signal=config.priority_signal, model_dir=config.model_dir)
         kafka.ensure_topics(config.kafka_bootstrap)
         self.loop.producer = kafka.ProtoProducer(config.kafka_bootstrap, client_id="temper-learner")
         stack.callback(self.loop.producer.close)

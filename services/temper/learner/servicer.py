@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from temper.learner.loop import LearnerLoop
-from temper.runtime.errors import reject_unknown_fields
+from temper.runtime.errors import reject_unknown_fields, require
 from temper.v1 import learner_pb2, learner_pb2_grpc
 
 
@@ -27,6 +27,12 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
         reject_unknown_fields(request, "request")
         path, step, version = self.loop.checkpoint(request.path or None)
         return learner_pb2.CheckpointResponse(path=str(path), step=step, policy_version=version)
+
+    def ExportPolicy(self, request, context):
+        reject_unknown_fields(request, "request")
+        require(self.loop.model_dir is not None, "path", "this learner does not know its model folder")
+        path, step, version, size = self.loop.export_policy(request.path, request.dtype)
+        return learner_pb2.ExportPolicyResponse(path=str(path), step=step, policy_version=version, bytes=size)
 
     def Pause(self, request, context):
         self.loop.pause()

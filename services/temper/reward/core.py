@@ -18,6 +18,7 @@ forward batched with different neighbours.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -141,7 +142,8 @@ class Scorer:
                         f"domain {task.domain!r} ({name}) needs a reference answer")
             prepared[name] = v.prepare(task, "group.task")
 
-        completions = [t.completion_text for t in group.trajectories]
+        # a prefilled start of the answer (the job's response_prefix) is part of what the verifier reads
+        completions = [with_prefix(task.metadata.get("response_prefix", ""), t) for t in group.trajectories]
         rm_futures = self._submit_rm(task.prompt, completions) if "rm" in weights else None
         prm_futures = self._submit_prm(task.prompt, completions) if "prm" in weights else None
 
@@ -271,6 +273,17 @@ def default_scorer() -> Scorer:
         if _default is None:
             _default = Scorer()
         return _default
+
+
+def with_prefix(prefix: str, traj: common_pb2.Trajectory) -> str:
+    """What the verifier reads of a completion that continues a prefilled ``prefix``: prefix + completion.
+    A prefix that opens a tag (``<answer>``) the completion never closes is closed where the
+    completion stopped (EOS or a stop string: the answer ended there); a cut-off one is left open."""
+    text = prefix + traj.completion_text
+    m = re.fullmatch(r"(?s).*<([A-Za-z_][\w-]*)>\s*", prefix) if prefix else None
+    if m and traj.finish_reason == "stop" and f"</{m.group(1)}>" not in traj.completion_text:
+        text += f"</{m.group(1)}>"
+    return text
 
 
 def score_group(group: common_pb2.RolloutGroup) -> common_pb2.RolloutGroup:

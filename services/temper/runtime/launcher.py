@@ -183,14 +183,13 @@ class Launcher:
         return state
 
     def _model_dir(self, cfg: dict) -> Path:
-        """The one folder every service that declares ``model_dir()`` loads: the job's [model] table resolved."""
-        from temper.models.tiny import ensure_tiny_model
+        """The one folder every service that declares ``model_dir()`` loads: the job's [model] table resolved
+        and checked (temper.models: any HF causal-LM folder, or preset = "tiny"), field named on error."""
+        from temper.models import check_service_tables, resolve_model
 
-        model = dict(cfg.get("model", {}))
-        model_dir = Path(model.pop("dir", self.home / "models" / "tiny"))
-        if not model_dir.is_absolute():
-            model_dir = Path.cwd() / model_dir
-        return ensure_tiny_model(model_dir, **model)
+        model_dir = resolve_model(cfg.get("model"), home=self.home).dir
+        check_service_tables(cfg, model_dir)
+        return model_dir
 
     def _proc(self, name: str, wired: dict[str, dict], state: State, cfg: dict, model_dir: Path | None,
               logs: Path) -> Proc:

@@ -11,5 +11,10 @@ class SchedulerConfig(ServiceConfig):
     section = "scheduler"
 
     inference_address: str = address_of("inference", "127.0.0.1:50051", "host:port of the inference service")
+    reward_address: str = address_of("reward", "", "host:port of the reward service, which scores held-out "
+                                                   "evaluations; empty: jobs without evaluation only")
+    generate_timeout_seconds: float = Field(600.0, description="how long one step's generate call may take (a real "
+                                                               "model on CPU takes minutes)")
+    eval_timeout_seconds: float = Field(600.0, description="how long one evaluation's generate call may take")
     publish_timeout_seconds: float = Field(30.0, description="how long a rollout group may wait for the broker's "
                                                              "acknowledgement")

@@ -4,11 +4,17 @@ Step s (0-based) is generated only once the serving policy version is >= s - max
 so generation never runs more than ``max_policy_lag`` learner updates ahead. Every group gets
 a stable id ``<job>/s<step>/p<prompt>`` and each trajectory ``<group>/<k>``, so a redelivery
 downstream is recognised.
+
+Evaluation (``JobSpec.eval``): held-out sets per domain (``evaluation.EvalSets``), disjoint from the
+training draws by prompt, answered greedily before the first step, whenever the serving version
+reaches a multiple of ``eval.every``, and once the job's last version is served; the results are
+in the job's status. The job is DONE after the final evaluation.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import random
 import threading
 import time
@@ -17,9 +23,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from temper import tasks
-from temper.runtime.errors import FailedPrecondition, require
+from temper.runtime.errors import FailedPrecondition, InvalidArgument, require
 from temper.runtime.logs import get_logger
 from temper.runtime.tracing import current_context_carrier, tracer
+from temper.scheduler.evaluation import (
+    MAX_EVAL_SIZE,
+    EvalConfig,
+    EvalSets,
+    check_disjoint,
+    draw_training_task,
+    evaluate,
+)
 from temper.v1 import common_pb2, inference_pb2, scheduler_pb2
 
 _log = get_logger(component="scheduler")
@@ -44,14 +58,47 @@ class JobSpec:
     temperature: float = 1.0
     max_tokens: int = 2
     seed: int = 0
+    domain_config: dict[str, dict] = field(default_factory=dict)  # domain -> the family's own options
+    chat_template: bool = False  # prompts as a user turn of the model's chat template
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    response_prefix: str = ""  # with chat_template: the prefilled start of every answer (scored with it)
+
+    @classmethod
+    def from_dict(cls, job: dict) -> JobSpec:
+        """From a TOML ``[job]`` table; an unknown key is refused, naming it."""
+        job = dict(job)
+        known = {f for f in cls.__dataclass_fields__}
+        for key in sorted(job):
+            require(key in known, f"job.{key}", f"unknown field; known: {sorted(known)}")
+        ev = job.pop("eval", {}) or {}
+        require(isinstance(ev, dict), "job.eval", "must be a table")
+        eval_known = set(EvalConfig.__dataclass_fields__)
+        for key in sorted(ev):
+            require(key in eval_known, f"job.eval.{key}", f"unknown field; known: {sorted(eval_known)}")
+        return cls(**job, eval=EvalConfig(**ev))
 
     @classmethod
     def from_proto(cls, p: scheduler_pb2.JobSpec) -> JobSpec:
+        config = {}
+        for domain, text in p.domain_config.items():
+            try:
+                config[domain] = json.loads(text)
+            except ValueError as e:
+                raise InvalidArgument(f"not JSON: {e}", field=f"domain_config[{domain}]") from None
         spec = cls(job_id=p.job_id or f"job-{uuid.uuid4().hex[:8]}", steps=p.steps, prompts_per_step=p.prompts_per_step,
                    group_size=p.group_size, domains=list(p.domains) or ["toy.copy", "toy.next"],
-                   max_policy_lag=p.max_policy_lag, temperature=p.temperature, max_tokens=p.max_tokens, seed=p.seed)
+                   max_policy_lag=p.max_policy_lag, temperature=p.temperature, max_tokens=p.max_tokens, seed=p.seed,
+                   domain_config=config, chat_template=p.chat_template, eval=EvalConfig.from_proto(p.eval),
+                   response_prefix=p.response_prefix)
         spec.validate()
         return spec
+
+    @property
+    def eval_domains(self) -> list[str]:
+        """Every evaluated domain: the trained ones, then the eval-only ones (empty without evaluation)."""
+        if self.eval.size <= 0:
+            return []
+        return [*self.domains, *(d for d in self.eval.extra_domains if d not in self.domains)]
 
     def validate(self) -> None:
         require(1 <= self.steps <= MAX_STEPS, "steps", f"must be in [1, {MAX_STEPS}], got {self.steps}")
@@ -62,15 +109,42 @@ class JobSpec:
         require(self.max_policy_lag >= 0, "max_policy_lag", f"must be >= 0, got {self.max_policy_lag}")
         require(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
         require(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+        require(len(self.domains) > 0, "domains", "at least one domain")
+        require(not self.response_prefix or self.chat_template, "response_prefix", "needs chat_template = true")
         for d in self.domains:
             require(d in known_domains(), "domains",
                     f"unknown domain {d!r}; families: toy.*, math.*, code.*, rg.<reasoning-gym family>")
+        ev = self.eval
+        require(0 <= ev.size <= MAX_EVAL_SIZE, "eval.size", f"must be in [0, {MAX_EVAL_SIZE}], got {ev.size}")
+        require(ev.every >= 0, "eval.every", f"must be >= 0, got {ev.every}")
+        require(ev.max_tokens >= 0, "eval.max_tokens", f"must be >= 0, got {ev.max_tokens}")
+        require(ev.size > 0 or not ev.extra_domains, "eval.extra_domains", "needs eval.size >= 1")
+        require(ev.size == 0 or ev.seed != self.seed, "eval.seed",
+                f"must differ from the job's seed {self.seed} (held-out problems come from a seed of their own)")
+        for d in ev.extra_domains:
+            require(d in known_domains(), "eval.extra_domains", f"unknown domain {d!r}")
+        used = set(self.domains) | set(ev.extra_domains)
+        for d, options in self.domain_config.items():
+            require(d in used, f"domain_config[{d}]", "configures a domain the job neither trains nor evaluates")
+            tasks.check_config(d, options, field=f"domain_config[{d}]")
+
+    def eval_sets(self) -> EvalSets | None:
+        """The held-out sets (None without evaluation), checked disjoint enough from training."""
+        if self.eval.size <= 0:
+            return None
+        sets = EvalSets(self.eval_domains, self.eval.size, self.eval.seed, self.domain_config)
+        check_disjoint(sets, self.domains, self.seed, self.domain_config)
+        return sets
 
     def to_proto(self) -> scheduler_pb2.JobSpec:
         return scheduler_pb2.JobSpec(job_id=self.job_id, steps=self.steps, prompts_per_step=self.prompts_per_step,
                                      group_size=self.group_size, domains=self.domains,
                                      max_policy_lag=self.max_policy_lag, temperature=self.temperature,
-                                     max_tokens=self.max_tokens, seed=self.seed)
+                                     max_tokens=self.max_tokens, seed=self.seed,
+                                     domain_config={d: json.dumps(c, sort_keys=True)
+                                                    for d, c in self.domain_config.items()},
+                                     chat_template=self.chat_template, eval=self.eval.to_proto(),
+                                     response_prefix=self.response_prefix)
 
 
 class Job:
@@ -78,19 +152,35 @@ class Job:
 
     ``generate(prompts, spec, seed) -> GenerateResponse`` calls inference; ``publish(group)`` returns once
     the group is durably in the `rollouts` topic; ``policy_version()`` reads the serving version.
+    With evaluation, ``greedy(prompts, max_tokens)`` answers held-out prompts at temperature 0 and
+    ``score(group)`` scores a group synchronously (the reward service). The held-out sets are built
+    (and checked) here, so a bad one refuses the job before any work.
     """
 
     def __init__(self, spec: JobSpec, generate: Callable[[list[str], JobSpec, int], inference_pb2.GenerateResponse],
-                 publish: Callable[[common_pb2.RolloutGroup], None], policy_version: Callable[[], int]):
+                 publish: Callable[[common_pb2.RolloutGroup], None], policy_version: Callable[[], int],
+                 greedy: Callable[[list[str], int], inference_pb2.GenerateResponse] | None = None,
+                 score: Callable[[common_pb2.RolloutGroup], common_pb2.RolloutGroup] | None = None,
+                 final_eval_wait_seconds: float = 3600.0):
         self.spec = spec
         self._generate = generate
         self._publish = publish
         self._policy_version = policy_version
+        self._greedy = greedy
+        self._score = score
+        self.eval_sets = spec.eval_sets()
+        require(self.eval_sets is None or (greedy is not None and score is not None), "eval",
+                "this scheduler cannot evaluate (no inference/reward clients)")
+        self._final_eval_wait = final_eval_wait_seconds
         self.state = scheduler_pb2.JOB_STATE_RUNNING
         self.steps_done = 0
         self.groups_published = 0
+        self.draws_skipped = 0
+        self.evals: list[scheduler_pb2.EvalResult] = []
         self.error = ""
         self.pause_reason = ""
+        self._next_eval: int | None = None  # the serving version at which the next periodic evaluation is due
+        self._final_version = 0
         self._stop = threading.Event()
         self._resume = threading.Event()  # clear while paused: the loop holds before its next step
         self._resume.set()
@@ -131,37 +221,82 @@ class Job:
     def status(self) -> scheduler_pb2.JobStatus:
         return scheduler_pb2.JobStatus(job_id=self.spec.job_id, state=self.state, steps_done=self.steps_done,
                                        steps=self.spec.steps, groups_published=self.groups_published, error=self.error,
-                                       spec=self.spec.to_proto(), pause_reason=self.pause_reason)
+                                       spec=self.spec.to_proto(), pause_reason=self.pause_reason,
+                                       evals=list(self.evals), eval_draws_skipped=self.draws_skipped)
 
     def _run(self) -> None:
         try:
+            start_version = self._policy_version()
+            if self.eval_sets is not None:
+                self._evaluate("before")
+                every = self.spec.eval.every
+                self._next_eval = start_version + every if every > 0 else None
+                self._final_version = start_version + self.spec.steps
             for step in range(self.spec.steps):
                 self._resume.wait()
                 if self._stop.is_set():
                     return
-                if not self._wait_for_policy(step - self.spec.max_policy_lag):
+                if not self._wait_for_policy(start_version + step - self.spec.max_policy_lag):
                     return
                 self.run_step(step)
                 self.steps_done = step + 1
+            if self.eval_sets is not None:
+                # the learner's last update: one version per step after the job's first
+                last = start_version + self.spec.steps
+                if not self._wait_for_policy(last, timeout=self._final_eval_wait):
+                    if self._stop.is_set():
+                        return
+                    _log.warning("final evaluation before the last version", job_id=self.spec.job_id,
+                                 expected=last, serving=self._policy_version())
+                self._evaluate("final")
             self.state = scheduler_pb2.JOB_STATE_DONE
         except Exception as e:  # noqa: BLE001 - the job fails, the service keeps serving
             _log.exception("job failed", job_id=self.spec.job_id)
             self.error = f"{type(e).__name__}: {e}"
             self.state = scheduler_pb2.JOB_STATE_FAILED
 
-    def _wait_for_policy(self, version: int) -> bool:
+    def _wait_for_policy(self, version: int, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
         while not self._stop.is_set():
-            if version <= 0 or self._policy_version() >= version:
+            serving = self._policy_version()
+            self._maybe_evaluate(serving)
+            if version <= 0 or serving >= version:
                 return True
+            if deadline is not None and time.monotonic() > deadline:
+                return False
             self._stop.wait(0.02)
         return False
+
+    def _maybe_evaluate(self, serving: int) -> None:
+        if self._next_eval is not None and self.eval_sets is not None and serving >= self._next_eval:
+            if serving < self._final_version:  # the last version gets the final evaluation instead
+                self._evaluate("during")
+            while self._next_eval <= serving:
+                self._next_eval += self.spec.eval.every
+
+    def _evaluate(self, phase: str) -> None:
+        spec = self.spec
+        with self._tracer.start_as_current_span("scheduler.eval", attributes={"temper.job_id": spec.job_id,
+                                                                               "temper.eval.phase": phase}):
+            result = evaluate(self.eval_sets, self._greedy, self._score, spec.eval.max_tokens or spec.max_tokens, phase,
+                              job_id=spec.job_id, response_prefix=spec.response_prefix)
+        self.evals.append(result)
+        _log.info("eval", job_id=spec.job_id, phase=phase, policy_version=result.policy_version,
+                  accuracy={d: round(a, 3) for d, a in result.accuracy.items()}, seconds=round(result.seconds, 2))
 
     def run_step(self, step: int) -> None:
         spec = self.spec
         with self._tracer.start_as_current_span("scheduler.step", attributes={"temper.job_id": spec.job_id,
                                                                                "temper.step": step}):
-            step_tasks = [tasks.make_task(self._rng.choice(spec.domains), self._rng, f"{spec.job_id}/s{step}/p{i}")
-                          for i in range(spec.prompts_per_step)]
+            step_tasks = []
+            for i in range(spec.prompts_per_step):
+                domain = self._rng.choice(spec.domains)
+                task, skipped = draw_training_task(domain, self._rng, f"{spec.job_id}/s{step}/p{i}",
+                                                   spec.domain_config.get(domain), self.eval_sets)
+                self.draws_skipped += skipped
+                if spec.response_prefix:
+                    task.metadata["response_prefix"] = spec.response_prefix
+                step_tasks.append(task)
             # a seed per step: a job's sampling is reproducible given the weights
             response = self._generate([t.prompt for t in step_tasks], spec, spec.seed * 1_000_003 + step)
             trace_context = current_context_carrier()  # the learner step that trains on these groups links here

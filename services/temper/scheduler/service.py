@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 
-from temper.client.sdk import InferenceClient
+from temper.client.sdk import InferenceClient, RewardClient
 from temper.runtime import kafka
 from temper.runtime.rpc import client
 from temper.runtime.service import Service
 from temper.scheduler.config import SchedulerConfig
 from temper.scheduler.core import Job, JobSpec
+from temper.scheduler.evaluation import check_scorable
 from temper.scheduler.servicer import SchedulerServicer
 from temper.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -21,6 +22,11 @@ class SchedulerService(Service[SchedulerConfig]):
     def open(self, stack: ExitStack) -> None:
         config = self.config
         self.inference = stack.enter_context(client(InferenceClient, config.inference_address))
+        self.inference.timeout = config.generate_timeout_seconds
+        # held-out answers on a channel of their own, with a longer deadline
+        self.evaluator = stack.enter_context(client(InferenceClient, config.inference_address))
+        self.evaluator.timeout = config.eval_timeout_seconds
+        self.reward = stack.enter_context(client(RewardClient, config.reward_address)) if config.reward_address else None
         kafka.ensure_topics(config.kafka_bootstrap)
         self.producer = kafka.ProtoProducer(config.kafka_bootstrap, client_id="temper-scheduler")
         stack.callback(self.producer.close)
@@ -28,16 +34,23 @@ class SchedulerService(Service[SchedulerConfig]):
         stack.callback(self.servicer.stop_all)
 
     def _make_job(self, spec: JobSpec) -> Job:
-        inference, config = self.inference, self.config
+        inference, evaluator, reward, config = self.inference, self.evaluator, self.reward, self.config
 
         def generate(prompts, s: JobSpec, seed: int):
             return inference.generate(prompts, n=s.group_size, temperature=s.temperature, max_tokens=s.max_tokens,
-                                      seed=seed)
+                                      seed=seed, apply_chat_template=s.chat_template, assistant_prefix=s.response_prefix)
+
+        def greedy(prompts, max_tokens: int):
+            return evaluator.generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens,
+                                      apply_chat_template=spec.chat_template, assistant_prefix=spec.response_prefix)
 
         def publish(group):
             self.producer.send(kafka.ROLLOUTS, group.group_id, group).get(config.publish_timeout_seconds)
 
-        return Job(spec, generate, publish, inference.policy_version)
+        if spec.eval.size > 0 and reward is not None:  # before any work: every evaluated domain is scorable
+            check_scorable(spec.domains, [d for d in spec.eval_domains if d not in spec.domains], reward.list_domains())
+        return Job(spec, generate, publish, inference.policy_version, greedy=greedy if reward else None,
+                   score=reward.score if reward else None)
 
     def register(self, server) -> list[str]:
         scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(self.servicer, server)

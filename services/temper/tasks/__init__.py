@@ -34,5 +34,22 @@ def domains() -> list[str]:
     return out
 
 
-def make_task(domain: str, rng: random.Random, task_id: str) -> common_pb2.Task:
+def configurable(domain: str) -> bool:
+    """Whether the domain's family takes options of its own (reasoning-gym families do)."""
+    return domain.split(".", 1)[0] == "rg"
+
+
+def check_config(domain: str, config: dict, field: str = "domain_config") -> None:
+    """InvalidArgument naming ``field`` unless ``config`` is a valid option set of ``domain``'s family."""
+    if not configurable(domain):
+        raise InvalidArgument(f"{domain!r} takes no options (only rg.<family> domains do)", field=field)
+    _module(domain).check_config(domain, config, field)
+
+
+def make_task(domain: str, rng: random.Random, task_id: str, config: dict | None = None) -> common_pb2.Task:
+    """One task of ``domain``; ``config``: the family's own options (see ``check_config``)."""
+    if config:
+        if not configurable(domain):
+            raise InvalidArgument(f"{domain!r} takes no options (only rg.<family> domains do)", field="domain_config")
+        return _module(domain).make_task(domain, rng, task_id, config)
     return _module(domain).make_task(domain, rng, task_id)

@@ -14,6 +14,7 @@ from temper.runtime.errors import InvalidArgument
 from temper.v1 import common_pb2
 
 PREFIX = "rg."
+# The verifier reads the last <answer>...</answer> of the completion (temper.reward.verifiers.gym).
 INSTRUCTION = "Give your final answer inside <answer></answer> tags."
 
 
@@ -23,14 +24,41 @@ def families() -> list[str]:
     return sorted(n for n in DATASETS if n != "composite")  # composite needs a list of families to mix
 
 
-def make_task(domain: str, rng: random.Random, task_id: str, config: dict | None = None) -> common_pb2.Task:
-    """One task of the family ``domain`` (``rg.<family>``); ``config`` sets the family's options (difficulty)."""
-    import reasoning_gym
-
+def _family(domain: str) -> str:
     family = domain[len(PREFIX):] if domain.startswith(PREFIX) else ""
     if family not in families():
         raise InvalidArgument(f"unknown domain {domain!r}; reasoning-gym families are rg.<name> for name in "
                               f"{families()}", field="domains")
+    return family
+
+
+def check_config(domain: str, config: dict, field: str = "domain_config") -> None:
+    """The family's own config class accepts ``config`` and builds an entry; InvalidArgument naming
+    ``field`` (and the option) otherwise."""
+    import dataclasses
+
+    from reasoning_gym.factory import DATASETS
+
+    family = _family(domain)
+    if not isinstance(config, dict):
+        raise InvalidArgument(f"must be a table of {family}'s options", field=field)
+    known = {f.name for f in dataclasses.fields(DATASETS[family][1])} - {"seed", "size"}
+    for key in sorted(config):
+        if key not in known:
+            raise InvalidArgument(f"{family} has no option {key!r}; its options: {sorted(known)}", field=f"{field}.{key}")
+    try:
+        make_task(domain, random.Random(0), "check", config)
+    except InvalidArgument:
+        raise
+    except Exception as e:  # noqa: BLE001 - the family's own validation (assertions, type errors)
+        raise InvalidArgument(f"{family} refuses {config}: {type(e).__name__}: {e}", field=field) from None
+
+
+def make_task(domain: str, rng: random.Random, task_id: str, config: dict | None = None) -> common_pb2.Task:
+    """One task of the family ``domain`` (``rg.<family>``); ``config`` sets the family's options (difficulty)."""
+    import reasoning_gym
+
+    family = _family(domain)
     seed = rng.randrange(2**31)
     config_json = json.dumps(config or {}, sort_keys=True)
     entry = reasoning_gym.create_dataset(family, seed=seed, size=1, **(config or {}))[0]

@@ -1,0 +1,160 @@
+"""Held-out evaluation: fixed problem sets per domain, answered greedily, scored by the reward service.
+
+An eval set is drawn from its own seed (``EvalConfig.seed`` mixed with the domain name), so it is
+the same in every run of a job and in ``temper eval``. It is kept disjoint from training by prompt:
+``EvalSets.holds(prompt)`` is what the job's training draws check (a held-out prompt is redrawn).
+No gRPC here: ``evaluate`` takes a generate and a score callable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from temper import tasks
+from temper.runtime.errors import InvalidArgument, require
+from temper.v1 import common_pb2, inference_pb2, scheduler_pb2
+
+MAX_EVAL_SIZE = 10_000
+# A domain whose training draws land in the held-out set this often has too few distinct prompts
+# for both: the job is refused rather than left redrawing.
+MAX_OVERLAP = 0.5
+OVERLAP_PROBE = 200  # training draws simulated per domain for that check
+MAX_REDRAWS = 1000
+
+
+@dataclass
+class EvalConfig:
+    size: int = 0  # problems per domain; 0: no evaluation
+    every: int = 0  # policy versions between evaluations; 0: before and at the end only
+    seed: int = 1_000_003
+    extra_domains: list[str] = field(default_factory=list)  # eval-only (out-of-distribution watch)
+    max_tokens: int = 0  # 0: the job's
+
+    @classmethod
+    def from_proto(cls, p: scheduler_pb2.EvalSpec) -> EvalConfig:
+        return cls(size=p.size, every=p.every, seed=p.seed, extra_domains=list(p.extra_domains),
+                   max_tokens=p.max_tokens)
+
+    def to_proto(self) -> scheduler_pb2.EvalSpec:
+        return scheduler_pb2.EvalSpec(size=self.size, every=self.every, seed=self.seed,
+                                      extra_domains=self.extra_domains, max_tokens=self.max_tokens)
+
+
+def prompt_key(prompt: str) -> bytes:
+    return hashlib.blake2b(prompt.encode(), digest_size=16).digest()
+
+
+class EvalSets:
+    """The held-out problems of a job: domain -> tasks, and the set of their prompts."""
+
+    def __init__(self, domains: list[str], size: int, seed: int, domain_config: dict[str, dict]):
+        self.sets: dict[str, list[common_pb2.Task]] = {}
+        self._keys: set[bytes] = set()
+        for domain in domains:
+            rng = random.Random(f"temper-eval/{seed}/{domain}")  # str seeds are stable across runs
+            chosen: list[common_pb2.Task] = []
+            seen: set[bytes] = set()
+            for _ in range(20 * size + 100):
+                if len(chosen) == size:
+                    break
+                task = tasks.make_task(domain, rng, f"eval/{domain}/{len(chosen)}", domain_config.get(domain))
+                key = prompt_key(task.prompt)
+                if key not in seen:
+                    seen.add(key)
+                    chosen.append(task)
+            require(len(chosen) == size, "eval.size",
+                    f"{domain} yields only {len(chosen)} distinct problems here, fewer than {size}")
+            self.sets[domain] = chosen
+            self._keys |= seen
+
+    def holds(self, prompt: str) -> bool:
+        return prompt_key(prompt) in self._keys
+
+    @property
+    def domains(self) -> list[str]:
+        return list(self.sets)
+
+
+def check_disjoint(eval_sets: EvalSets, training_domains: list[str], seed: int, domain_config: dict[str, dict]) -> None:
+    """Refuse (field ``eval.size``) a held-out set that takes most of a training domain's prompts."""
+    for domain in training_domains:
+        rng = random.Random(seed)
+        hits = sum(eval_sets.holds(tasks.make_task(domain, rng, "probe", domain_config.get(domain)).prompt)
+                   for _ in range(OVERLAP_PROBE))
+        if hits > MAX_OVERLAP * OVERLAP_PROBE:
+            raise InvalidArgument(f"the held-out set of {domain} overlaps {hits} of {OVERLAP_PROBE} training draws: the "
+                                  f"domain has too few distinct problems for both (lower eval.size, or make the "
+                                  f"domain harder in domain_config)", field="eval.size")
+
+
+def draw_training_task(domain: str, rng: random.Random, task_id: str, config: dict | None,
+                       eval_sets: EvalSets | None) -> tuple[common_pb2.Task, int]:
+    """A training task whose prompt is not held out, and how many draws were skipped for it."""
+    for skipped in range(MAX_REDRAWS):
+        task = tasks.make_task(domain, rng, task_id, config)
+        if eval_sets is None or not eval_sets.holds(task.prompt):
+            return task, skipped
+    raise InvalidArgument(f"{MAX_REDRAWS} draws of {domain} in a row were held-out prompts", field="eval.size")
+
+
+Generate = Callable[[list[str], int], inference_pb2.GenerateResponse]  # (prompts, max_tokens) -> greedy answers
+Score = Callable[[common_pb2.RolloutGroup], common_pb2.RolloutGroup]
+
+
+def evaluate(eval_sets: EvalSets, generate: Generate, score: Score, max_tokens: int, phase: str,
+             job_id: str = "eval", workers: int = 8, response_prefix: str = "") -> scheduler_pb2.EvalResult:
+    """Greedy answers to every held-out problem in one generate call (so one policy version answers
+    all of them), each scored by ``score``; accuracy = fraction with reward >= 1."""
+    t0 = time.perf_counter()
+    items = [(d, t) for d, ts in eval_sets.sets.items() for t in ts]
+    response = generate([t.prompt for _, t in items], max_tokens)
+    groups = []
+    for i, ((_, task), result) in enumerate(zip(items, response.results)):
+        c = result.completions[0]
+        if response_prefix:
+            task = common_pb2.Task()
+            task.CopyFrom(items[i][1])
+            task.metadata["response_prefix"] = response_prefix
+        gid = f"{job_id}/eval-v{response.policy_version}/{phase}/{i}"
+        groups.append(common_pb2.RolloutGroup(
+            group_id=gid, job_id=job_id, task=task, trajectories=[common_pb2.Trajectory(
+                trajectory_id=f"{gid}/0", group_id=gid, prompt_token_ids=result.prompt_token_ids,
+                completion_token_ids=c.token_ids, completion_logprobs=c.logprobs,
+                policy_version=response.policy_version, completion_text=c.text, finish_reason=c.finish_reason)]))
+    with ThreadPoolExecutor(workers) as pool:
+        scored = list(pool.map(score, groups))
+    right: dict[str, list[float]] = {}
+    rewards: dict[str, list[float]] = {}
+    for (domain, _), g in zip(items, scored):
+        r = g.trajectories[0].reward
+        ok = r.status == common_pb2.REWARD_STATUS_OK
+        right.setdefault(domain, []).append(1.0 if ok and r.total >= 1.0 - 1e-9 else 0.0)
+        rewards.setdefault(domain, []).append(r.total if ok else 0.0)
+    return scheduler_pb2.EvalResult(
+        policy_version=response.policy_version, phase=phase,
+        accuracy={d: sum(v) / len(v) for d, v in right.items()},
+        mean_reward={d: sum(v) / len(v) for d, v in rewards.items()},
+        problems=max((len(v) for v in eval_sets.sets.values()), default=0), seconds=time.perf_counter() - t0,
+        generated_tokens=sum(len(c.token_ids) for r in response.results for c in r.completions))
+
+
+def check_scorable(spec_domains: list[str], eval_only: list[str], listing) -> None:
+    """Refuse a domain the reward service cannot score (``listing``: its ListDomainsResponse), naming
+    the job field it came from: no domain spec covers it, or it needs a reward model not loaded."""
+    specs = {d.domain: dict(d.weights) for d in listing.domains}
+    loaded = {"rm": listing.reward_model_loaded, "prm": listing.process_reward_model_loaded}
+    for field_name, domains in (("domains", spec_domains), ("eval.extra_domains", eval_only)):
+        for domain in domains:
+            parts = domain.split(".")
+            key = next((".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in specs), None)
+            require(key is not None, field_name, f"the reward service scores no domain {domain!r} "
+                                                 f"(it scores: {sorted(specs)})")
+            missing = [c for c, w in specs[key].items() if w and c in loaded and not loaded[c]]
+            if missing:
+                raise InvalidArgument(f"{domain!r} needs the {missing[0]} model, which the reward service has not "
+                                      f"loaded", field=field_name)

@@ -1,0 +1,124 @@
+"""Held-out eval sets, job specs with domain knobs, and the checks that refuse a bad job up front."""
+
+import random
+
+import pytest
+
+from temper import tasks
+from temper.runtime.errors import InvalidArgument
+from temper.scheduler.core import JobSpec
+from temper.scheduler.evaluation import EvalConfig, EvalSets, check_disjoint, check_scorable, draw_training_task
+from temper.v1 import reward_pb2
+
+CHAIN = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+
+
+def test_eval_sets_are_fixed_by_their_seed_and_distinct():
+    a = EvalSets(["toy.copy", "rg.chain_sum"], 30, seed=7, domain_config={"rg.chain_sum": CHAIN})
+    b = EvalSets(["toy.copy", "rg.chain_sum"], 30, seed=7, domain_config={"rg.chain_sum": CHAIN})
+    c = EvalSets(["toy.copy"], 30, seed=8, domain_config={})
+    for d in a.domains:
+        assert [t.prompt for t in a.sets[d]] == [t.prompt for t in b.sets[d]]
+        assert len({t.prompt for t in a.sets[d]}) == 30
+    assert [t.prompt for t in a.sets["toy.copy"]] != [t.prompt for t in c.sets["toy.copy"]]
+
+
+def test_training_draws_never_hit_a_held_out_prompt():
+    sets = EvalSets(["rg.chain_sum"], 60, seed=3, domain_config={"rg.chain_sum": CHAIN})
+    rng = random.Random(0)
+    skipped = 0
+    for i in range(400):
+        task, s = draw_training_task("rg.chain_sum", rng, f"t{i}", CHAIN, sets)
+        assert not sets.holds(task.prompt)
+        skipped += s
+    # ~200 distinct 2-term 1-digit sums, 60 held out: the redraws really happened (the check can fail)
+    assert skipped > 0
+
+
+def test_a_held_out_set_that_swallows_the_domain_is_refused():
+    sets = EvalSets(["rg.chain_sum"], 150, seed=3, domain_config={"rg.chain_sum": CHAIN})
+    with pytest.raises(InvalidArgument) as e:
+        check_disjoint(sets, ["rg.chain_sum"], seed=0, domain_config={"rg.chain_sum": CHAIN})
+    assert e.value.field == "eval.size"
+    spec = JobSpec(domains=["rg.chain_sum"], domain_config={"rg.chain_sum": CHAIN}, eval=EvalConfig(size=150, seed=3))
+    spec.validate()
+    with pytest.raises(InvalidArgument, match="overlaps"):
+        spec.eval_sets()
+
+
+def test_domain_knobs_reach_the_family_and_prompts_ask_for_the_verifiers_form():
+    spec = JobSpec.from_dict({"domains": ["rg.chain_sum"], "domain_config": {"rg.chain_sum": CHAIN}})
+    spec.validate()
+    rng = random.Random(0)
+    for i in range(20):
+        task = tasks.make_task("rg.chain_sum", rng, f"t{i}", spec.domain_config["rg.chain_sum"])
+        question = task.prompt.split("\n\n")[0]
+        assert question.count("+") + question.count("-") == 1, question  # two terms
+        assert "<answer></answer>" in task.prompt
+    assert JobSpec.from_proto(spec.to_proto()).domain_config == spec.domain_config
+
+
+@pytest.mark.parametrize("job, field", [
+    ({"steps": 3, "stepz": 1}, "job.stepz"),
+    ({"eval": {"size": 10, "everyy": 2}}, "job.eval.everyy"),
+])
+def test_unknown_job_fields_are_named(job, field):
+    with pytest.raises(InvalidArgument) as e:
+        JobSpec.from_dict(job)
+    assert e.value.field == field
+
+
+@pytest.mark.parametrize("job, field", [
+    ({"domains": ["rg.chain_sum"], "domain_config": {"rg.chain_sum": {"max_termz": 2}}},
+     "domain_config[rg.chain_sum].max_termz"),
+    ({"domains": ["rg.chain_sum"], "domain_config": {"rg.chain_sum": {"min_terms": 5, "max_terms": 2}}},
+     "domain_config[rg.chain_sum]"),
+    ({"domains": ["toy.copy"], "domain_config": {"toy.copy": {"x": 1}}}, "domain_config[toy.copy]"),
+    ({"domains": ["toy.copy"], "domain_config": {"rg.chain_sum": CHAIN}}, "domain_config[rg.chain_sum]"),
+    ({"seed": 5, "eval": {"size": 10, "seed": 5}}, "eval.seed"),
+    ({"eval": {"size": 10, "extra_domains": ["rg.nope"]}}, "eval.extra_domains"),
+    ({"eval": {"size": 0, "extra_domains": ["toy.add"]}}, "eval.extra_domains"),
+    ({"eval": {"size": 10, "every": -1}}, "eval.every"),
+])
+def test_bad_jobs_are_refused_naming_the_field(job, field):
+    with pytest.raises(InvalidArgument) as e:
+        JobSpec.from_dict(job).validate()
+    assert e.value.field == field, str(e.value)
+
+
+def test_eval_only_domains_follow_the_trained_ones():
+    spec = JobSpec.from_dict({"domains": ["toy.copy"], "eval": {"size": 5, "extra_domains": ["toy.add", "toy.copy"]}})
+    assert spec.eval_domains == ["toy.copy", "toy.add"]
+    assert JobSpec.from_dict({"domains": ["toy.copy"]}).eval_domains == []
+
+
+def test_a_domain_the_reward_service_cannot_score_is_refused():
+    listing = reward_pb2.ListDomainsResponse(domains=[
+        reward_pb2.DomainInfo(domain="toy", weights={"exact_answer": 1.0}),
+        reward_pb2.DomainInfo(domain="math", weights={"math": 1.0, "rm": 0.5})], reward_model_loaded=False)
+    check_scorable(["toy.copy"], [], listing)
+    with pytest.raises(InvalidArgument) as e:
+        check_scorable(["toy.copy"], ["rg.chain_sum"], listing)
+    assert e.value.field == "eval.extra_domains" and "scores no domain" in str(e.value)
+    with pytest.raises(InvalidArgument, match="rm model") as e:
+        check_scorable(["math.fraction_sum"], [], listing)
+    assert e.value.field == "domains"
+
+
+def test_a_response_prefix_needs_the_chat_template_and_is_scored_with_the_completion():
+    from temper.reward.core import score_group
+    from temper.v1 import common_pb2
+
+    with pytest.raises(InvalidArgument) as e:
+        JobSpec.from_dict({"response_prefix": "<answer>"}).validate()
+    assert e.value.field == "response_prefix"
+    JobSpec.from_dict({"response_prefix": "<answer>", "chat_template": True}).validate()
+    task = tasks.make_task("rg.chain_sum", random.Random(0), "t", CHAIN)
+    task.metadata["response_prefix"] = "<answer>"
+    group = common_pb2.RolloutGroup(group_id="g", task=task, trajectories=[
+        common_pb2.Trajectory(trajectory_id=f"g/{k}", group_id="g", completion_text=text, finish_reason=finish)
+        for k, (text, finish) in enumerate([(f"{task.reference_answer}</answer>", "stop"), ("nope</answer>", "stop"),
+                                            (task.reference_answer, "stop"), (task.reference_answer, "length")])])
+    rewards = [t.reward.total for t in score_group(group).trajectories]
+    # right; wrong; right and stopped (EOS closes the prefilled tag); cut off (no answer)
+    assert rewards == [1.0, 0.0, 1.0, 0.0]
