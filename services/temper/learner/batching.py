@@ -15,7 +15,7 @@ tokens or padding.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -137,6 +137,14 @@ class ModelInputs:
     tokens: slice  # their completion tokens within the batch's [T]
     real_tokens: int  # prompt + completion tokens
     grid_tokens: int  # R * L, what the model computes over
+
+    def to(self, device: torch.device) -> ModelInputs:
+        """The model's tensors on ``device`` (this object itself when they are there already)."""
+        if self.input_ids.device == device:
+            return self
+        move = {f: getattr(self, f) for f in ("input_ids", "position_ids", "attention_mask", "rows", "cols", "targets",
+                                               "temperatures")}
+        return replace(self, **{f: None if t is None else t.to(device, non_blocking=True) for f, t in move.items()})
 
 
 def layout(prompts: list[list[int]], completions: list[list[int]], temperatures: torch.Tensor, pad_id: int,
