@@ -322,7 +322,7 @@ class Trainer:
         return torch.cat([self._logprobs(self.model, mb)[0] for mb in self._micro_batches(batch)]).cpu()
 
     # -- the update --------------------------------------------------------------------------
-    def _drop_stale(self, batch: Batch) -> tuple[Batch, int]:
+    def drop_stale(self, batch: Batch) -> tuple[Batch, int]:
         """Drop whole groups with a sample more than ``max_staleness`` versions behind the current weights."""
         if self.config.max_staleness < 0:
             return batch, 0
@@ -358,7 +358,7 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(dev)
         batch.validate(self.vocab_size, self.context_length)
         staleness = (self.policy_version - batch.policy_versions).float()
-        batch, stale_groups = self._drop_stale(batch)
+        batch, stale_groups = self.drop_stale(batch)
         lengths = batch.lengths
         n_seqs, n_tokens = len(lengths), int(lengths.sum())
         mbs = self._micro_batches(batch)
