@@ -177,12 +177,14 @@ def test_groups_with_reward_errors_never_stall_the_job_every_policy_version_adva
     assert not start.paused
     groups = make_groups(inference, 16, seed=11, job_id="bad")  # 4 batches of 4 (prompts_per_step = 4), FIFO
     failed = common_pb2.RewardComponent(name="verifier", status=common_pb2.REWARD_STATUS_ERROR, error="sandbox died")
-    groups[1].trajectories[2].reward.status = common_pb2.REWARD_STATUS_ERROR   # batch 1: one bad group
-    groups[6].trajectories[0].reward.components.append(failed)                  # batch 2: one bad group
-    groups[8].trajectories[3].reward.status = common_pb2.REWARD_STATUS_ERROR   # batch 3: all bad
+    # (replay itself refuses groups whose overall reward status is not OK; a failed component under an
+    # OK status, a sequence longer than the context and positive logprobs get through it)
+    groups[1].trajectories[2].reward.components.append(failed)   # batch 1: one bad group
+    groups[6].trajectories[0].reward.components.append(failed)   # batch 2: one bad group
+    groups[8].trajectories[3].reward.components.append(failed)   # batch 3: all bad
     groups[9].trajectories[1].reward.components.append(failed)
-    groups[10].trajectories[0].prompt_token_ids.extend([5] * 130)              # longer than the context (128)
-    del groups[11].trajectories[0].completion_logprobs[:]                      # malformed
+    groups[10].trajectories[0].prompt_token_ids.extend([5] * 130)  # longer than the context (128)
+    groups[11].trajectories[0].completion_logprobs[0] = 0.5        # malformed: log p > 0
     replay.insert(groups[:12])
     wait_until(lambda: learner.status().dropped_groups - start.dropped_groups >= 6, 120, what="6 groups dropped")
     wait_until(lambda: learner.status().step >= start.step + 2, 60, what="2 steps on the good groups")
