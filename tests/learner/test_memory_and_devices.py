@@ -61,7 +61,9 @@ def _compare(model_dir: Path, batch: Batch, chunk_tokens: int, check_grads: bool
     ref_lp, ref_ent = straightforward(plain, batch)
     assert lp.dtype == torch.float32 and lp.shape == ref_lp.shape
     assert (lp - ref_lp).abs().max().item() < 1e-5
-    assert (ent - ref_ent).abs().max().item() < 1e-5
+    # the entropy sums ~V terms (49,152 for SmolLM2): fp32 round-off of different matmul shapes adds up to
+    # ~3e-6 relative there, so its bound is relative (log-probs: the absolute 1e-5 above)
+    assert ((ent - ref_ent).abs() / ref_ent.abs().clamp(min=1.0)).max().item() < 1e-5
     if not check_grads:
         return
     weights = torch.randn(lp.shape, generator=torch.Generator().manual_seed(1))
