@@ -14,7 +14,7 @@ import torch
 from pydantic import ValidationError
 
 from temper.learner.batching import Batch, layout
-from temper.learner.trainer import Trainer, TrainerConfig, resolve_device, stored_dtype
+from temper.learner.trainer import Trainer, TrainerConfig, _cpu_has_bf16, autocast_dtype, resolve_device, stored_dtype
 from temper.models.tiny import build_tiny_model
 from temper.runtime.errors import InvalidArgument
 
@@ -154,6 +154,10 @@ def test_device_and_dtype_settings_are_validated_naming_the_field(model_dir):
             TrainerConfig(**{field: bad})
         assert e.value.errors()[0]["loc"] == (field,)
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    cpu = torch.device("cpu")  # auto on CPU: exact fp32 for fp32-stored models, bf16 for bf16 ones where it pays
+    assert autocast_dtype("auto", cpu, torch.float32) is None and Trainer(model_dir, TrainerConfig()).compute_dtype is None
+    assert autocast_dtype("auto", cpu, torch.bfloat16) == (torch.bfloat16 if _cpu_has_bf16() else None)
+    assert autocast_dtype("fp32", cpu, torch.bfloat16) is None and autocast_dtype("bf16", cpu) == torch.bfloat16
     if not torch.cuda.is_available():
         with pytest.raises(InvalidArgument) as e:
             Trainer(model_dir, TrainerConfig(device="cuda"))
