@@ -30,7 +30,6 @@ from temper.runtime.launcher import Launcher, pid_alive
 from temper.tasks import toy
 from temper.inference.weights import chunks_from_tensors
 from temper.v1 import common_pb2
-from tests.builders import rollout_group, trajectory
 from tests.conftest import holds_for, wait_until
 
 pytestmark = pytest.mark.slow  # starts a broker and services
