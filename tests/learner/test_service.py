@@ -30,7 +30,6 @@ from temper.runtime.launcher import Launcher, pid_alive
 from temper.tasks import toy
 from temper.inference.weights import chunks_from_tensors
 from temper.v1 import common_pb2
-from tests.builders import rollout_group, trajectory
 from tests.conftest import holds_for, wait_until
 
 pytestmark = pytest.mark.slow  # starts a broker and services
@@ -167,6 +166,45 @@ def test_trains_publishes_checkpoints_pauses_and_resumes_after_a_crash(learner_s
     assert inference.policy_version() == 51 and status.weight_push_failures == 0
 
 
+def test_groups_with_reward_errors_never_stall_the_job_every_policy_version_advances(learner_stack):
+    """Real inference, replay and learner processes: bad groups are dropped from their batches, the
+    rest trains, a batch of only bad groups is drawn past, and the weights reach inference each step."""
+    state = learner_stack.load()
+    addr = {n: p.address for n, p in state.services.items()}
+    inference, replay, learner = InferenceClient(addr["inference"]), ReplayClient(addr["replay"]), \
+        LearnerClient(addr["learner"])
+    start = learner.status()
+    assert not start.paused
+    groups = make_groups(inference, 16, seed=11, job_id="bad")  # 4 batches of 4 (prompts_per_step = 4), FIFO
+    failed = common_pb2.RewardComponent(name="verifier", status=common_pb2.REWARD_STATUS_ERROR, error="sandbox died")
+    # (replay itself refuses groups whose overall reward status is not OK; a failed component under an
+    # OK status, a sequence longer than the context and positive logprobs get through it)
+    groups[1].trajectories[2].reward.components.append(failed)   # batch 1: one bad group
+    groups[6].trajectories[0].reward.components.append(failed)   # batch 2: one bad group
+    groups[8].trajectories[3].reward.components.append(failed)   # batch 3: all bad
+    groups[9].trajectories[1].reward.components.append(failed)
+    groups[10].trajectories[0].prompt_token_ids.extend([5] * 130)  # longer than the context (128)
+    groups[11].trajectories[0].completion_logprobs[0] = 0.5        # malformed: log p > 0
+    replay.insert(groups[:12])
+    wait_until(lambda: learner.status().dropped_groups - start.dropped_groups >= 6, 120, what="6 groups dropped")
+    wait_until(lambda: learner.status().step >= start.step + 2, 60, what="2 steps on the good groups")
+    replay.insert(groups[12:])  # batch 4: all good
+    wait_until(lambda: learner.status().step >= start.step + 3, 60, what="a step after the all-bad batch")
+    status = learner.status()
+    assert status.step == start.step + 3 and status.policy_version == start.policy_version + 3
+    assert inference.policy_version() == status.policy_version  # every step's weights were pushed
+    drops = {r: n - start.dropped_by_reason.get(r, 0) for r, n in status.dropped_by_reason.items()}
+    assert {r: n for r, n in drops.items() if n} == {"reward_error": 4, "too_long": 1, "invalid": 1}
+    assert status.skipped_batches == start.skipped_batches + 1  # the all-bad batch, drawn past
+    text = urllib.request.urlopen(f"http://127.0.0.1:{state.services['learner'].metrics_port}/metrics",
+                                  timeout=10).read().decode()
+    assert 'temper_learner_dropped_groups_total{reason="reward_error"} 4.0' in text
+    # the learner samples with its policy version: replay's table hears of versions no insert carried
+    wait_until(lambda: replay.stats().current_policy_version == status.policy_version, 30,
+               what="replay to hear the learner's policy version")
+    assert max(t.policy_version for g in groups for t in g.trajectories) < status.policy_version
+
+
 def test_unknown_algorithm_names_stop_the_service_at_start_up_naming_the_field():
     proc = subprocess.run([sys.executable, "-m", "temper.learner", "--advantage", "ppo2"], capture_output=True,
                           text=True, timeout=120)
@@ -181,37 +219,62 @@ def test_unknown_algorithm_names_stop_the_service_at_start_up_naming_the_field()
         assert e.value.errors()[0]["loc"] == (flag[2:].replace("-", "_"),)
 
 
-def test_bad_batches_through_the_loop_are_skipped_counted_and_harmless(tmp_path):
-    model_dir = build_tiny_model(tmp_path / "m", seed=0)
+def test_bad_groups_through_the_loop_are_dropped_counted_and_the_rest_trains(tmp_path):
+    model_dir = build_tiny_model(tmp_path / "m", seed=0)  # context: 128 tokens
     trainer = Trainer(model_dir, TrainerConfig())
     loop = LearnerLoop(trainer, replay=None, replicas=[], producer=None, groups_per_step=2,
                        checkpoint_dir=tmp_path / "ckpt")
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
-    def traj(reward=1.0, logprobs=(-1.0, -0.5)):
-        return trajectory(reward=reward, temperature=1.0, vocab=8, completion_logprobs=list(logprobs))
+    def traj(reward=1.0, logprobs=(-1.0, -0.5), status=common_pb2.REWARD_STATUS_OK, components=(), prompt=(2, 5, 6)):
+        return common_pb2.Trajectory(prompt_token_ids=list(prompt), completion_token_ids=[7, 3],
+                                     completion_logprobs=list(logprobs), sampling_temperature=1.0,
+                                     reward=common_pb2.Reward(total=reward, status=status, components=list(components)))
 
-    bad = [
-        [rollout_group(group_id="a", trajectories=[traj(), traj(reward=float("nan"))])],
-        [rollout_group(group_id="b", trajectories=[traj(logprobs=(-1.0,))])],
-        [rollout_group(group_id="c", trajectories=[traj(logprobs=(-1.0, float("inf")))])],
-        [rollout_group(group_id="d", trajectories=[traj()]), rollout_group(group_id="e", trajectories=[])],
-        [],
-    ]
-    for groups in bad:
+    def group(gid, *trajectories):
+        return common_pb2.RolloutGroup(group_id=gid, job_id="j", trajectories=list(trajectories))
+
+    # batches with nothing left to train on: refused (counted by field), weights untouched
+    for groups in ([group("a", traj(), traj(reward=float("nan")))], [group("b", traj(logprobs=(-1.0,)))],
+                   [group("c", traj(logprobs=(-1.0, float("inf"))))], []):
         assert loop.train_on(groups) is None
-    assert loop.state.skipped_batches == 5 and loop.state.step == 0
-    assert loop.state.skipped_by_field == {"groups[].trajectories[].reward.total": 1,
-                                           "groups[].trajectories[].completion_logprobs": 2,
-                                           "groups[].trajectories": 1, "groups": 1}
+    s = loop.state
+    assert s.skipped_batches == 4 and s.step == 0 and s.dropped_by_reason == {"invalid": 3}
+    assert s.skipped_by_field == {"groups[].trajectories[].reward.total": 1,
+                                  "groups[].trajectories[].completion_logprobs": 2, "groups": 4}
     assert all(torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
-    good = [rollout_group(group_id="f", job_id="j", trajectories=[traj(1.0), traj(0.0)])]
-    metrics = loop.train_on(good)
-    assert metrics.step == 1 and loop.state.step == 1
+
+    # a batch with bad groups among good ones: the bad are dropped by the stated rule, the rest trains
+    failed = common_pb2.RewardComponent(name="verifier", status=common_pb2.REWARD_STATUS_ERROR, error="timeout")
+    mixed = [group("good", traj(1.0), traj(0.0)),
+             group("empty"),
+             group("error", traj(), traj(status=common_pb2.REWARD_STATUS_ERROR)),
+             group("unscored", traj(status=common_pb2.REWARD_STATUS_UNSPECIFIED)),
+             group("component", traj(components=[failed]), traj()),
+             group("long", traj(prompt=[2] + [5] * 126), traj()),  # 127 + 2 tokens > the context of 128
+             group("good2", traj(0.5), traj(0.0))]
+    metrics = loop.train_on(mixed)
+    assert metrics.step == 1 and metrics.samples == 4 and loop.state.step == 1
+    v = metrics.values
+    assert (v["dropped_groups"], v["dropped_reward_error"], v["dropped_invalid"], v["dropped_too_long"],
+            v["dropped_stale"]) == (5, 3, 1, 1, 0)
+    assert s.dropped_groups == 8 and s.dropped_by_reason == {"invalid": 4, "reward_error": 3, "too_long": 1}
+    assert s.skipped_batches == 4 and s.skipped_by_field["groups[].trajectories"] == 1
+    assert trainer.data_position["last_group_ids"] == ["good", "good2"]
     path, step, version = loop.checkpoint()
     assert (step, version) == (1, 1) and (path / "trainer.json").exists()
     assert loop.checkpoint()[0] == path  # same state again: the same checkpoint
 
+    # stale groups (max_staleness) are dropped and counted the same way
+    trainer.config.max_staleness = 0
+    trainer.policy_version = 3
+    stale = [group("old", traj(1.0), traj(0.0)), group("new", traj(1.0), traj(0.0))]
+    stale[0].trajectories[0].policy_version = 1
+    for t in [*stale[0].trajectories[1:], *stale[1].trajectories]:
+        t.policy_version = 3
+    metrics = loop.train_on(stale)
+    assert metrics.values["dropped_stale"] == 1 and metrics.values["dropped_groups"] == 1 and metrics.samples == 2
+    assert s.dropped_by_reason["stale"] == 1 and s.stale_groups_dropped == 1
 
 def test_a_learner_step_links_to_the_trace_of_every_group_it_trained_on(tmp_path):
     from opentelemetry.sdk.trace import TracerProvider

@@ -21,7 +21,7 @@ from tests.builders import rollout_group, trajectory
 from tests.learner.reference import plain_step
 from tests.learner.toyloop import generate_batch
 
-TIMING = {"train_seconds", "tokens_per_second"}
+TIMING = {"train_seconds", "tokens_per_second", "peak_rss_bytes", "peak_memory_bytes"}  # measurements, not maths
 
 
 @pytest.fixture(scope="module")

@@ -55,19 +55,21 @@ def register_kl(name: str):
 
 def seq_index(lengths: torch.Tensor) -> torch.Tensor:
     """[T]: the sequence each token belongs to."""
-    return torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    return torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
 
 
 def segment_sum(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """[B]: sum of the per-token ``x`` [T] within each sequence."""
-    return torch.zeros(len(lengths), dtype=x.dtype).index_add_(0, seq_index(lengths), x)
+    lengths = lengths.to(x.device)  # losses run on the model's device; lengths may come from the CPU layout
+    return torch.zeros(len(lengths), dtype=x.dtype, device=x.device).index_add_(0, seq_index(lengths), x)
 
 
 def to_padded(x: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[T] -> ([B, Lmax] right-padded with 0, bool mask [B, Lmax])."""
     width = int(lengths.max()) if len(lengths) else 0
-    mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
-    out = torch.zeros(len(lengths), width, dtype=x.dtype)
+    lengths = lengths.to(x.device)
+    mask = torch.arange(width, device=x.device).unsqueeze(0) < lengths.unsqueeze(1)
+    out = torch.zeros(len(lengths), width, dtype=x.dtype, device=x.device)
     out[mask] = x
     return out, mask
 

@@ -3,6 +3,19 @@
 Bad input never reaches the model: ``batch_from_groups`` and ``Batch.validate`` raise
 InvalidArgument naming the offending field (the step is skipped and counted by the caller).
 
+A bad sample never stalls a job: before a batch is built, ``screen_groups`` drops whole groups
+(a group is the unit of GRPO advantages: a group missing members would shift its baseline) by
+this rule, first match wins, and reports each with its reason:
+- ``reward_error``: a trajectory's reward status is not OK (unscored or ERROR), or any of its
+  reward components has status ERROR;
+- ``invalid``: the group is malformed (empty, a completion without tokens, logprobs that do not
+  match the tokens or are not finite and <= 0, a non-finite reward, a negative temperature or
+  policy version); the detail names the field, as a refused batch did before;
+- ``too_long``: a sequence (prompt + completion) is longer than ``max_sequence_tokens`` (the
+  model's context by default), so it could not be trained on as sampled.
+The caller trains on the groups left (and samples again if none are), counts the drops by reason
+and logs each with its group id.
+
 Packing: the sequences (prompt + completion) of a micro-batch are laid out in rows of at most
 ``capacity`` tokens by first-fit decreasing; within a row each sequence has its own position ids
 (0, 1, ...) and the model's attention is block-diagonal causal (transformers derives it from the
@@ -15,11 +28,11 @@ tokens or padding.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from temper.runtime.errors import require
+from temper.runtime.errors import InvalidArgument, require
 from temper.v1 import common_pb2
 
 
@@ -102,26 +115,88 @@ class Batch:
                      self.sample_weights[kept_groups] if self.sample_weights is not None else None)
 
 
+DROP_REASONS = ("reward_error", "invalid", "too_long")
+
+
+@dataclass
+class DroppedGroup:
+    """A group ``screen_groups`` left out, and why (``reason`` in DROP_REASONS)."""
+
+    index: int  # position in the sampled batch
+    group_id: str
+    reason: str
+    field: str  # the offending field, ``groups[g].trajectories[t].<name>``
+    detail: str
+
+
+def _check_group(g_i: int, group: common_pb2.RolloutGroup) -> None:
+    """InvalidArgument naming ``groups[g].trajectories[t].<field>`` unless the group is well formed."""
+    require(len(group.trajectories) > 0, f"groups[{g_i}].trajectories", "empty group")
+    for t_i, t in enumerate(group.trajectories):
+        field = f"groups[{g_i}].trajectories[{t_i}]"
+        require(len(t.completion_token_ids) > 0, f"{field}.completion_token_ids", "empty completion")
+        require(len(t.prompt_token_ids) > 0, f"{field}.prompt_token_ids", "empty prompt")
+        require(len(t.completion_logprobs) == len(t.completion_token_ids), f"{field}.completion_logprobs",
+                f"{len(t.completion_logprobs)} logprobs for {len(t.completion_token_ids)} tokens")
+        require(all(math.isfinite(x) and x <= 0 for x in t.completion_logprobs), f"{field}.completion_logprobs",
+                "must be finite and <= 0")
+        require(t.reward.status == common_pb2.REWARD_STATUS_OK, f"{field}.reward.status", "reward not OK")
+        require(math.isfinite(t.reward.total), f"{field}.reward.total", "NaN or inf")
+        require(math.isfinite(t.sampling_temperature) and t.sampling_temperature >= 0,
+                f"{field}.sampling_temperature", "must be finite and >= 0")
+        require(t.policy_version >= 0, f"{field}.policy_version", "must be >= 0")
+
+
+def _drop_reason(g_i: int, group: common_pb2.RolloutGroup, max_sequence_tokens: int) -> DroppedGroup | None:
+    """The first rule of the module docstring that ``group`` breaks, or None."""
+    def dropped(reason: str, field: str, detail: str) -> DroppedGroup:
+        return DroppedGroup(g_i, group.group_id, reason, field, detail)
+
+    for t_i, t in enumerate(group.trajectories):
+        field = f"groups[{g_i}].trajectories[{t_i}]"
+        if t.reward.status != common_pb2.REWARD_STATUS_OK:
+            return dropped("reward_error", f"{field}.reward.status",
+                           f"reward status {common_pb2.RewardStatus.Name(t.reward.status)}")
+        for c_i, c in enumerate(t.reward.components):
+            if c.status == common_pb2.REWARD_STATUS_ERROR:
+                return dropped("reward_error", f"{field}.reward.components[{c_i}]",
+                               f"component {c.name!r} failed: {c.error or 'no message'}")
+    try:
+        _check_group(g_i, group)
+    except InvalidArgument as e:
+        return dropped("invalid", e.field or f"groups[{g_i}]", str(e))
+    if max_sequence_tokens > 0:
+        for t_i, t in enumerate(group.trajectories):
+            n = len(t.prompt_token_ids) + len(t.completion_token_ids)
+            if n > max_sequence_tokens:
+                return dropped("too_long", f"groups[{g_i}].trajectories[{t_i}].completion_token_ids",
+                               f"{len(t.prompt_token_ids)} + {len(t.completion_token_ids)} tokens exceed "
+                               f"max_sequence_tokens={max_sequence_tokens}")
+    return None
+
+
+def screen_groups(groups: list[common_pb2.RolloutGroup], max_sequence_tokens: int = 0
+                  ) -> tuple[list[common_pb2.RolloutGroup], list[DroppedGroup]]:
+    """(the groups to train on, in order; the ones dropped by the module docstring's rule)."""
+    kept, dropped = [], []
+    for g_i, group in enumerate(groups):
+        reason = _drop_reason(g_i, group, max_sequence_tokens)
+        if reason is None:
+            kept.append(group)
+        else:
+            dropped.append(reason)
+    return kept, dropped
+
+
 def batch_from_groups(groups: list[common_pb2.RolloutGroup], sample_weights: list[float] | None = None) -> Batch:
-    """Scored groups -> Batch; InvalidArgument naming ``groups[g].trajectories[t].<field>`` if bad.
-    ``sample_weights``: one loss weight per group (replay's importance weights), or None."""
+    """Scored groups -> Batch; InvalidArgument naming ``groups[g].trajectories[t].<field>`` if bad
+    (all or nothing: ``screen_groups`` first to leave bad groups out instead). ``sample_weights``: one
+    loss weight per group (replay's importance weights), or None."""
     require(len(groups) > 0, "groups", "empty batch")
     prompts, completions, old, temps, rewards, gidx, versions, domains = [], [], [], [], [], [], [], []
     for g_i, group in enumerate(groups):
-        require(len(group.trajectories) > 0, f"groups[{g_i}].trajectories", "empty group")
-        for t_i, t in enumerate(group.trajectories):
-            field = f"groups[{g_i}].trajectories[{t_i}]"
-            require(len(t.completion_token_ids) > 0, f"{field}.completion_token_ids", "empty completion")
-            require(len(t.prompt_token_ids) > 0, f"{field}.prompt_token_ids", "empty prompt")
-            require(len(t.completion_logprobs) == len(t.completion_token_ids), f"{field}.completion_logprobs",
-                    f"{len(t.completion_logprobs)} logprobs for {len(t.completion_token_ids)} tokens")
-            require(all(math.isfinite(x) and x <= 0 for x in t.completion_logprobs), f"{field}.completion_logprobs",
-                    "must be finite and <= 0")
-            require(t.reward.status == common_pb2.REWARD_STATUS_OK, f"{field}.reward.status", "reward not OK")
-            require(math.isfinite(t.reward.total), f"{field}.reward.total", "NaN or inf")
-            require(math.isfinite(t.sampling_temperature) and t.sampling_temperature >= 0,
-                    f"{field}.sampling_temperature", "must be finite and >= 0")
-            require(t.policy_version >= 0, f"{field}.policy_version", "must be >= 0")
+        _check_group(g_i, group)
+        for t in group.trajectories:
             prompts.append(list(t.prompt_token_ids))
             completions.append(list(t.completion_token_ids))
             old.extend(t.completion_logprobs)
@@ -151,6 +226,14 @@ class ModelInputs:
     tokens: slice  # their completion tokens within the batch's [T]
     real_tokens: int  # prompt + completion tokens
     grid_tokens: int  # R * L, what the model computes over
+
+    def to(self, device: torch.device) -> ModelInputs:
+        """The model's tensors on ``device`` (this object itself when they are there already)."""
+        if self.input_ids.device == device:
+            return self
+        move = {f: getattr(self, f) for f in ("input_ids", "position_ids", "attention_mask", "rows", "cols", "targets",
+                                               "temperatures")}
+        return replace(self, **{f: None if t is None else t.to(device, non_blocking=True) for f, t in move.items()})
 
 
 def layout(prompts: list[list[int]], completions: list[list[int]], temperatures: torch.Tensor, pad_id: int,

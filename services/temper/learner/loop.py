@@ -3,7 +3,13 @@
 Kept apart from the trainer so the maths stays testable alone; this file holds the I/O.
 Invariants: one step at a time (a lock serialises steps, checkpoints and pauses); once
 ``pause()`` returns no update runs until ``resume()``; a batch sampled while pausing is kept
-and trained on after resume, never dropped.
+and trained on after resume, never dropped. A bad group never stalls the job: it is dropped by
+the rule of temper.learner.batching.screen_groups (reward error, malformed, too long; the
+trainer drops groups staler than max_staleness), counted by reason (state, StepMetrics values
+``dropped_groups`` / ``dropped_<reason>``, Prometheus) and logged with its group id, and the step
+trains on the rest; a batch with nothing left is counted as skipped and the loop samples again.
+Replay is sampled with the learner's policy version as ``current_policy_version``, so a table
+with ``max_policy_lag = L`` never returns a group more than L versions behind the learner.
 """
 
 from __future__ import annotations
@@ -20,10 +26,10 @@ from prometheus_client import Counter, Gauge
 from temper.client.sdk import InferenceClient, ReplayClient
 from temper.inference.weights import chunks_from_tensors
 from temper.learner import checkpoint
-from temper.learner.batching import batch_from_groups
+from temper.learner.batching import DROP_REASONS, DroppedGroup, batch_from_groups, screen_groups
 from temper.learner.trainer import Trainer
 from temper.runtime import kafka
-from temper.runtime.errors import InvalidArgument
+from temper.runtime.errors import InvalidArgument, require
 from temper.runtime.logs import get_logger
 from temper.runtime.tracing import links_to, tracer
 from temper.v1 import common_pb2
@@ -36,10 +42,13 @@ STEP = Gauge("temper_learner_step", "Learner updates applied")
 POLICY_VERSION = Gauge("temper_learner_policy_version", "Version of the learner's current weights")
 STEPS = Counter("temper_learner_steps", "Learner updates applied by this process")
 TOKENS = Counter("temper_learner_tokens", "Completion tokens trained on")
-SKIPPED = Counter("temper_learner_skipped_batches", "Batches refused (never trained on), by field", ["field"])
+SKIPPED = Counter("temper_learner_skipped_batches",
+                  "Batches, and malformed groups of a batch, refused (never trained on), by field", ["field"])
 PUSH_FAILURES = Counter("temper_learner_weight_push_failures", "Weight pushes an inference replica refused")
 CHECKPOINTS = Counter("temper_learner_checkpoints", "Checkpoints written")
 PRIORITY_UPDATES = Counter("temper_learner_priority_updates", "Group priorities replay accepted from this learner")
+DROPPED = Counter("temper_learner_dropped_groups", "Groups left out of a batch (the rest trained on), by reason",
+                  ["reason"])
 
 
 @dataclass
@@ -50,6 +59,8 @@ class LearnerState:
     skipped_batches: int = 0
     skipped_by_field: dict[str, int] = field(default_factory=dict)
     stale_groups_dropped: int = 0
+    dropped_groups: int = 0  # every reason, stale included
+    dropped_by_reason: dict[str, int] = field(default_factory=dict)
     push_failures: int = 0
     checkpoint_step: int = -1  # -1: none yet
     checkpoint_path: str = ""
@@ -102,7 +113,8 @@ class LearnerLoop:
             sampled, self._pending = self._pending, None
             if sampled is None:
                 try:
-                    r = self.replay.sample_batch(self.groups_per_step, self.table, self.sample_timeout_ms)
+                    r = self.replay.sample_batch(self.groups_per_step, self.table, self.sample_timeout_ms,
+                                               current_policy_version=self.trainer.policy_version)
                     sampled = list(r.groups), [i.importance_weight for i in r.info]
                 except grpc.RpcError as e:
                     if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -128,12 +140,30 @@ class LearnerLoop:
         # a step trains on many groups, each from its own scheduler-step trace: link to every one
         with self._tracer.start_as_current_span("learner.step", links=links_to(g.trace_context for g in groups),
                                                  attributes={"temper.groups": len(groups)}) as span:
+            kept, dropped = screen_groups(groups, self.trainer.max_sequence_tokens)
+            self._count_drops(dropped)
             try:
-                batch = batch_from_groups(groups, weights)
+                require(len(kept) > 0, "groups", f"nothing to train on: {len(groups)} sampled, {len(dropped)} dropped")
+                dropped_at = {d.index for d in dropped}
+                kept_weights = None if weights is None else [w for i, w in enumerate(weights) if i not in dropped_at]
+                batch = batch_from_groups(kept, kept_weights)
+                # stale groups leave here, so the step's metrics (samples, rewards) describe what trained
+                try:
+                    batch, stale = self.trainer.drop_stale(batch)
+                except InvalidArgument:  # every group too stale: all counted as dropped, then refused
+                    self._count_reason("stale", len(kept))
+                    raise
+                if stale:
+                    self._count_reason("stale", stale)
                 values = self.trainer.step(batch)
             except InvalidArgument as e:
                 self._count_skip(e)
                 return None
+            values["stale_groups_dropped"] = float(stale)
+            values.update({f"dropped_{r}": float(n) for r, n in self._step_drops(dropped).items()})
+            values["dropped_stale"] = float(stale)
+            values["dropped_groups"] = float(len(dropped) + stale)
+            span.set_attribute("temper.dropped_groups", len(dropped) + stale)
             self._send_priorities()
             version = self.trainer.policy_version
             self._push(version)
@@ -155,7 +185,7 @@ class LearnerLoop:
                 self._checkpoint(None)
             s = self.state
             s.step, s.policy_version, s.last = self.trainer.step_count, version, metrics
-            s.stale_groups_dropped += int(values.get("stale_groups_dropped", 0))
+            s.stale_groups_dropped += stale
             self._export(values)
             _log.info("step", step=s.step, mean_reward=round(metrics.mean_reward, 4), loss=round(values["loss"], 4))
             return metrics
@@ -173,6 +203,27 @@ class LearnerLoop:
             PRIORITY_UPDATES.inc(r.updated)
         except grpc.RpcError as e:
             _log.warning("priority update failed", code=e.code().name, details=e.details())
+    @staticmethod
+    def _step_drops(dropped: list[DroppedGroup]) -> dict[str, int]:
+        counts = dict.fromkeys(DROP_REASONS, 0)
+        for d in dropped:
+            counts[d.reason] += 1
+        return counts
+
+    def _count_reason(self, reason: str, n: int = 1) -> None:
+        s = self.state
+        s.dropped_groups += n
+        s.dropped_by_reason[reason] = s.dropped_by_reason.get(reason, 0) + n
+        DROPPED.labels(reason).inc(n)
+
+    def _count_drops(self, dropped: list[DroppedGroup]) -> None:
+        for d in dropped:
+            self._count_reason(d.reason)
+            if d.reason == "invalid":  # a malformed group is refused naming its field, as a whole batch was
+                kind = re.sub(r"\[\d+\]", "[]", d.field)
+                self.state.skipped_by_field[kind] = self.state.skipped_by_field.get(kind, 0) + 1
+                SKIPPED.labels(kind).inc()
+            _log.warning("group dropped", group_id=d.group_id, reason=d.reason, field=d.field, detail=d.detail)
 
     def _count_skip(self, e: InvalidArgument) -> None:
         s = self.state
@@ -195,7 +246,7 @@ class LearnerLoop:
         replicas = self.replicas if replicas is None else replicas
         if not replicas:
             return
-        weights = self.trainer.weights()
+        weights = self.trainer.push_weights()  # in the engine's dtype: bf16 halves the bytes sent
         for replica in replicas:
             try:
                 replica.update_weights(chunks_from_tensors(weights, new_version=version))

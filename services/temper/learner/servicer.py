@@ -18,7 +18,8 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             step=s.step, policy_version=s.policy_version, paused=s.paused, last=s.last,
             skipped_batches=s.skipped_batches, algorithm=self.algorithm, skipped_by_field=s.skipped_by_field,
             stale_groups_dropped=s.stale_groups_dropped, weight_push_failures=s.push_failures,
-            checkpoint_step=s.checkpoint_step, checkpoint_path=s.checkpoint_path, resumed=s.resumed)
+            checkpoint_step=s.checkpoint_step, checkpoint_path=s.checkpoint_path, resumed=s.resumed,
+            dropped_groups=s.dropped_groups, dropped_by_reason=s.dropped_by_reason)
 
     def Status(self, request, context):
         return learner_pb2.StatusResponse(status=self._status())

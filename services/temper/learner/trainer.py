@@ -17,12 +17,24 @@ A step:
 7. controllers: LR schedule (+ KL back-off), adaptive KL coefficient.
 A non-finite loss or gradient skips the step (counted), so no NaN ever reaches the weights.
 
+Memory and devices: the model runs on ``device`` ("auto": CUDA when present, else CPU) with fp32
+master weights and optimiser state; ``autocast`` runs the forward (and so the backward) in bf16
+where it pays; ``gradient_checkpointing`` recomputes each decoder layer in backward instead of
+keeping its activations; micro-batches hold at most ``micro_batch_tokens`` tokens; the LM head
+runs on ``logprob_chunk_tokens`` positions at a time (temper.learner.logprobs), so the fp32
+[tokens x vocab] logits of a whole batch never exist. Pushed weights are cast to ``push_dtype``
+(the inference engine's: by default the dtype the model folder stores) before they are chunked.
+
 Units: logprobs and KL in nats (KL per token); lr per optimiser step; staleness in policy versions.
 """
 
 from __future__ import annotations
 
+import json
+import re
+import resource
 import time
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Literal
 
@@ -30,7 +42,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from transformers import AutoModelForCausalLM
 
-from temper.learner import algos
+from temper.learner import algos, logprobs
 from temper.learner.algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, NEEDS_CRITIC, POLICY_LOSSES, Aggregation
 from temper.learner.batching import Batch, ModelInputs, batch_from_groups, micro_batches
 from temper.learner.schedules import KLController, LRController
@@ -77,8 +89,21 @@ class TrainerConfig(BaseModel):
     lr_kl_target: float = Field(0.0, ge=0, description="> 0: LR backs off while the per-step policy shift KL > 2x "
                                                        "this")
     lr_kl_factor: float = Field(1.5, gt=1, description="LR back-off factor of lr_kl_target")
-    micro_batch_tokens: int = Field(0, ge=0, description="gradient accumulation budget (prompt + completion tokens); "
-                                                         "0: off")
+    # memory and devices (module docstring)
+    micro_batch_tokens: int = Field(4096, ge=0, description="gradient accumulation budget per micro-batch (prompt + "
+                                                            "completion tokens); 0: the whole batch at once, unbounded")
+    logprob_chunk_tokens: int = Field(1024, ge=0, description="LM-head rows per chunk of the log-prob pass (the "
+                                                              "[tokens x vocab] logits never exist whole); 0: all at once")
+    gradient_checkpointing: bool = Field(True, description="recompute decoder layers in backward (HF "
+                                                           "gradient_checkpointing_enable, non-reentrant)")
+    device: str = Field("auto", description="auto (cuda when available, else cpu), cpu, cuda, cuda:N")
+    autocast: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="compute dtype of forward/backward, fp32 master weights always; auto: bf16 on CUDA with "
+                            "bf16 support, on CPU for bf16-stored models where the CPU has native bf16")
+    push_dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="dtype of pushed weights (the inference engine's); auto: the model folder's stored dtype")
+    max_sequence_tokens: int = Field(0, ge=0, description="a group with a longer prompt + completion is dropped; "
+                                                          "0: the model's context")
     packing: bool = Field(True, description="padding-free rows (block-diagonal attention)")
     pack_length: int = Field(0, ge=0, description="packed row length; 0: the longest sequence of the micro-batch")
     # off-policy
@@ -116,6 +141,13 @@ class TrainerConfig(BaseModel):
             raise ValueError(f"unknown KL estimator {v!r}; known: {sorted(KL_ESTIMATORS)}")
         return v
 
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
+            raise ValueError(f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {v!r}")
+        return v
+
     @field_validator("dual_clip")
     @classmethod
     def _dual_clip(cls, v: float) -> float:
@@ -133,13 +165,66 @@ class TrainerConfig(BaseModel):
         return self
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# ``autocast = "auto"`` on CPU: bf16 for models stored in bf16 (real checkpoints such as SmolLM2, which the
+# inference engine serves in bf16 anyway) when the CPU has native bf16 (AVX512-BF16 / AMX), else fp32.
+# By the numbers of tests/bench/test_learner_bench.py: SmolLM2, one GRPO step of 8 x 512 tokens on the
+# 2-core AVX512-BF16 machine, bf16 autocast 15.6 train tok/s and 3.8 GiB peak RSS vs fp32 8.0 tok/s and
+# 4.5 GiB (a loaded machine; same run). fp32-stored models (the tiny test models) keep exact fp32.
+def _cpu_has_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch build without oneDNN
+        return False
+
+
+def resolve_device(name: str) -> torch.device:
+    """``TrainerConfig.device`` -> a torch device; InvalidArgument (field ``device``) if it is absent."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidArgument(f"{name!r} asked for, but this torch build / machine has no CUDA", field="device")
+        if (device.index or 0) >= torch.cuda.device_count():
+            raise InvalidArgument(f"{name!r}: only {torch.cuda.device_count()} CUDA device(s)", field="device")
+    return device
+
+
+def autocast_dtype(setting: str, device: torch.device, stored: torch.dtype = torch.float32) -> torch.dtype | None:
+    """The autocast compute dtype for ``TrainerConfig.autocast`` on ``device`` for a model stored in
+    ``stored`` (None: plain fp32)."""
+    cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    if setting == "fp32":
+        return None
+    if setting == "bf16":
+        if device.type == "cuda" and not cuda_bf16:
+            raise InvalidArgument(f"{device} does not support bf16", field="autocast")
+        return torch.bfloat16
+    if device.type == "cuda":
+        return torch.bfloat16 if cuda_bf16 else None
+    return torch.bfloat16 if stored == torch.bfloat16 and _cpu_has_bf16() else None
+
+
+def stored_dtype(model_dir: str | Path) -> torch.dtype:
+    """The dtype the model folder's config.json says its weights are stored in (fp32 if unsaid);
+    inference engines with ``dtype = "auto"`` serve in this dtype."""
+    path = Path(model_dir) / "config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    dtype = getattr(torch, str(name), None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+
+
 class Critic(torch.nn.Module):
     """Value function: the policy's architecture (initialised from the same weights) with a scalar
     head; V(s_t) is read at the position whose hidden state predicts completion token t."""
 
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, gradient_checkpointing: bool = False):
         super().__init__()
         lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        if gradient_checkpointing:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.backbone = lm.get_decoder()
         self.head = torch.nn.Linear(lm.config.hidden_size, 1)
         torch.nn.init.zeros_(self.head.weight)
@@ -167,7 +252,15 @@ class Trainer:
     def __init__(self, model_dir: str | Path, config: TrainerConfig):
         torch.manual_seed(config.seed)
         self.config = config
+        self.device = resolve_device(config.device)
+        stored = stored_dtype(model_dir)
+        self.compute_dtype = autocast_dtype(config.autocast, self.device, stored)
+        self.push_dtype = stored if config.push_dtype == "auto" else DTYPES[config.push_dtype]
+        # fp32 master weights always: autocast only changes the dtype the matmuls compute in
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        if config.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model.to(self.device)
         self.lora = config.lora_rank > 0
         if self.lora:
             self.model = _with_lora(self.model, config)
@@ -182,9 +275,10 @@ class Trainer:
         if config.kl_coef > 0 and not self.lora:
             self.reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
             self.reference.requires_grad_(False)
+            self.reference.to(self.device)
         self.critic = self.critic_optimizer = None
         if config.advantage in NEEDS_CRITIC:
-            self.critic = Critic(model_dir).train()
+            self.critic = Critic(model_dir, config.gradient_checkpointing).train().to(self.device)
             self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=config.value_lr or config.lr,
                                                       weight_decay=config.weight_decay)
         self.step_count = 0  # updates applied
@@ -197,20 +291,30 @@ class Trainer:
         self.pad_id = int(pad if pad is not None else 0)
         self.vocab_size = int(lm_config.vocab_size)
         self.context_length = getattr(lm_config, "max_position_embeddings", None)
+        # groups with a longer sequence are dropped before training (temper.learner.batching.screen_groups)
+        self.max_sequence_tokens = config.max_sequence_tokens or self.context_length or 0
         self.softcap = getattr(lm_config, "final_logit_softcapping", None)
         self._set_lr()
 
     # -- forward passes ----------------------------------------------------------------------
+    def _autocast(self) -> AbstractContextManager:
+        if self.compute_dtype is None:
+            return nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
+
     def _logprobs(self, model, mb: ModelInputs, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log p of each completion token [t], entropy of each predicting distribution [t])."""
-        hidden = model.get_decoder()(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                                     position_ids=mb.position_ids, use_cache=False).last_hidden_state
-        logits = model.get_output_embeddings()(hidden[mb.rows, mb.cols]).float()
-        if self.softcap:
-            logits = self.softcap * torch.tanh(logits / self.softcap)
-        logp = (logits / mb.temperatures.unsqueeze(-1)).log_softmax(-1)
-        token_logp = logp.gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)
-        return token_logp, algos.entropy(logp if entropy_grad else logp.detach())
+        """(log p of each completion token [t], entropy of each predicting distribution [t]), fp32, on the device."""
+        mb = mb.to(self.device)
+        with self._autocast():
+            hidden = model.get_decoder()(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                                         position_ids=mb.position_ids, use_cache=False).last_hidden_state
+            return logprobs.token_logprobs(model.get_output_embeddings(), hidden[mb.rows, mb.cols], mb.targets,
+                                           mb.temperatures, self.config.logprob_chunk_tokens, self.softcap,
+                                           entropy_grad)
+
+    def _values(self, mb: ModelInputs) -> torch.Tensor:
+        with self._autocast():
+            return self.critic(mb.to(self.device)).float()
 
     @torch.no_grad()
     def _reference_logprobs(self, mbs: list[ModelInputs]) -> torch.Tensor:
@@ -225,10 +329,10 @@ class Trainer:
 
     def token_logprobs(self, batch: Batch) -> torch.Tensor:
         """Teacher-forced log p of every completion token under the current weights, [T] in batch order."""
-        return torch.cat([self._logprobs(self.model, mb)[0] for mb in self._micro_batches(batch)])
+        return torch.cat([self._logprobs(self.model, mb)[0] for mb in self._micro_batches(batch)]).cpu()
 
     # -- the update --------------------------------------------------------------------------
-    def _drop_stale(self, batch: Batch) -> tuple[Batch, int]:
+    def drop_stale(self, batch: Batch) -> tuple[Batch, int]:
         """Drop whole groups with a sample more than ``max_staleness`` versions behind the current weights."""
         if self.config.max_staleness < 0:
             return batch, 0
@@ -259,27 +363,32 @@ class Trainer:
     def step(self, batch: Batch) -> dict[str, float]:
         t0 = time.perf_counter()
         cfg = self.config
+        dev = self.device
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
         batch.validate(self.vocab_size, self.context_length)
         staleness = (self.policy_version - batch.policy_versions).float()
-        batch, stale_groups = self._drop_stale(batch)
+        batch, stale_groups = self.drop_stale(batch)
         lengths = batch.lengths
         n_seqs, n_tokens = len(lengths), int(lengths.sum())
         mbs = self._micro_batches(batch)
 
         def agg(mb: ModelInputs) -> Aggregation:
-            return Aggregation(cfg.loss_aggregation, mb.lengths, n_tokens, n_seqs)
+            return Aggregation(cfg.loss_aggregation, mb.lengths.to(dev), n_tokens, n_seqs)
 
         kl_fn = KL_ESTIMATORS[cfg.kl_estimator]
         ref_logprobs = self._reference_logprobs(mbs) if cfg.kl_coef > 0 else None
         old_values = None
         if self.critic is not None:
             with torch.no_grad():
-                old_values = torch.cat([self.critic(mb) for mb in mbs])
+                old_values = torch.cat([self._values(mb) for mb in mbs])
         token_rewards = None
         if ref_logprobs is not None and cfg.kl_in == "reward":
-            token_rewards = -self.kl.coef * kl_fn(batch.old_logprobs, ref_logprobs)
+            token_rewards = -self.kl.coef * kl_fn(batch.old_logprobs, ref_logprobs.cpu())
+        # advantages: small [B]/[T] bookkeeping on the CPU; the per-token loss terms then move to the device
         advantages, returns = ADVANTAGE_ESTIMATORS[cfg.advantage](
-            algos.AdvantageInputs(batch.rewards, batch.group_index, lengths, token_rewards, old_values),
+            algos.AdvantageInputs(batch.rewards, batch.group_index, lengths, token_rewards,
+                                  None if old_values is None else old_values.cpu()),
             gamma=cfg.gamma, lam=cfg.lam, eps=cfg.advantage_eps)
         advantages = advantages.to(torch.float32)
         seq_group = batch.group_index
@@ -290,7 +399,9 @@ class Trainer:
         self.group_signals = {"mean_abs_advantage": dict(zip(
             batch.group_ids or [], (abs_adv / torch.bincount(token_group, minlength=n_groups)).tolist()))}
         # importance weights of the groups' draws, per token, multiplied into the policy loss
-        sample_weights = batch.sample_weights[token_group] if batch.sample_weights is not None else None
+        sample_weights = batch.sample_weights[token_group].to(dev) if batch.sample_weights is not None else None
+        adv_dev, old_all = advantages.to(dev), batch.old_logprobs.to(dev, torch.float32)
+        returns_dev = None if returns is None else returns.to(dev)
         lr = self._set_lr()
         pre_update: list[torch.Tensor] = []  # epoch 0's logprobs: the weights before this step
         metrics: dict[str, float] = {}
@@ -300,7 +411,7 @@ class Trainer:
             for i, mb in enumerate(mbs):
                 share = mb.lengths.sum().item() / n_tokens
                 logprobs, entropy = self._logprobs(self.model, mb, entropy_grad=cfg.entropy_coef > 0)
-                old = batch.old_logprobs[mb.tokens]
+                old = old_all[mb.tokens]
                 if epoch == 0:
                     pre_update.append(logprobs.detach())
                 ratio_base, is_weights = old, None
@@ -313,7 +424,7 @@ class Trainer:
                     w = sample_weights[mb.tokens]
                     loss_weights = w if is_weights is None else is_weights * w
                 policy_loss, info = POLICY_LOSSES[cfg.policy_loss](
-                    logprobs, ratio_base, advantages[mb.tokens], agg=a, clip_low=cfg.clip_low,
+                    logprobs, ratio_base, adv_dev[mb.tokens], agg=a, clip_low=cfg.clip_low,
                     clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, is_weights=loss_weights)
                 loss = policy_loss
                 if ref_logprobs is not None:
@@ -340,7 +451,7 @@ class Trainer:
                 raise self._skip("non-finite gradient")
             self.optimizer.step()
             if self.critic is not None:
-                sums.update(self._critic_step(mbs, old_values, returns, agg))
+                sums.update(self._critic_step(mbs, old_values, returns_dev, agg))
             metrics = {**sums, "grad_norm": float(grad_norm)}
         if cfg.lr_kl_target > 0:  # how far this step moved the policy: KL(pi_before || pi_after), k3
             with torch.no_grad():
@@ -364,6 +475,11 @@ class Trainer:
             stale_groups_dropped=float(stale_groups), tokens=float(n_tokens), input_tokens=float(real),
             padding_fraction=1.0 - real / grid, micro_batches=float(len(mbs)), train_seconds=seconds,
             tokens_per_second=real * cfg.epochs / seconds)
+        # memory high-water marks: the device allocator's for this step on CUDA; on CPU the process's
+        # peak RSS so far (getrusage: it only grows, so a step's own peak shows where it is the largest)
+        if dev.type == "cuda":
+            metrics["peak_memory_bytes"] = float(torch.cuda.max_memory_allocated(dev))
+        metrics["peak_rss_bytes"] = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         if returns is not None:
             metrics["return_mean"] = returns.mean().item()
         return metrics
@@ -374,7 +490,7 @@ class Trainer:
         out = {"value_loss": 0.0, "value_clip_fraction": 0.0, "value_mean": 0.0}
         n_tokens = len(returns)
         for mb in mbs:
-            values = self.critic(mb)
+            values = self._values(mb)
             loss, info = algos.clipped_value_loss(values, old_values[mb.tokens], returns[mb.tokens].to(values.dtype),
                                                   self.config.value_clip, agg(mb))
             if not torch.isfinite(loss):
@@ -399,6 +515,10 @@ class Trainer:
         pos["last_group_ids"] = list(batch.group_ids or [])
 
     # -- weights -----------------------------------------------------------------------------
+    def push_weights(self) -> dict[str, torch.Tensor]:
+        """``weights()`` cast to the inference engine's dtype (``push_dtype``), ready to chunk."""
+        return {n: t.to(self.push_dtype) for n, t in self.weights().items()}
+
     def weights(self) -> dict[str, torch.Tensor]:
         """The policy's tensors under the base model's names (LoRA adapters merged in)."""
         if not self.lora:
