@@ -25,6 +25,9 @@ class LearnerConfig(ServiceConfig, TrainerConfig):
     checkpoint_every: int = Field(0, description="steps between checkpoints; 0: only on request (gRPC Checkpoint)")
     keep_checkpoints: int = Field(3, description="newest checkpoints kept")
     resume: bool = Field(True, description="restore the newest checkpoint of checkpoint_dir at start-up")
+    checkpoint_url: str = Field("", description="object storage (s3://bucket/prefix or a path) every checkpoint is "
+                                                "uploaded to; a learner whose checkpoint_dir is empty (a new pod) "
+                                                "resumes from its newest one; \"\" = checkpoint_dir only")
     dependency_wait_seconds: float = Field(120.0, description="at start-up, how long to wait for inference replicas "
                                                               "that are still starting before resuming")
 

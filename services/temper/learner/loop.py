@@ -25,6 +25,7 @@ from temper.learner.trainer import Trainer
 from temper.runtime import kafka
 from temper.runtime.errors import InvalidArgument
 from temper.runtime.logs import get_logger
+from temper.runtime.storage import Mirror
 from temper.runtime.tracing import tracer
 from temper.v1 import common_pb2
 
@@ -60,7 +61,7 @@ class LearnerLoop:
     def __init__(self, trainer: Trainer, replay: ReplayClient, replicas: list[InferenceClient],
                  producer: kafka.ProtoProducer | None, groups_per_step: int, table: str = "default",
                  sample_timeout_ms: int = 5_000, checkpoint_dir: str | Path | None = None,
-                 checkpoint_every: int = 0, keep_checkpoints: int = 3):
+                 checkpoint_every: int = 0, keep_checkpoints: int = 3, mirror: Mirror | None = None):
         self.trainer = trainer
         self.replay = replay
         self.replicas = replicas
@@ -71,6 +72,7 @@ class LearnerLoop:
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.checkpoint_every = checkpoint_every
         self.keep_checkpoints = keep_checkpoints
+        self.mirror = mirror  # object storage that every checkpoint is uploaded to (runtime.storage)
         self.state = LearnerState()
         self._lock = threading.Lock()  # one step / checkpoint at a time
         self._pending: list[common_pb2.RolloutGroup] | None = None
@@ -195,6 +197,9 @@ class LearnerLoop:
         checkpoint.save(self.trainer, target)
         checkpoint.mark_latest(root, target)
         checkpoint.prune(root, self.keep_checkpoints)
+        if self.mirror is not None:  # a failed upload fails the checkpoint (StorageError), loudly
+            self.mirror.push(target)
+            self.mirror.prune(self.keep_checkpoints, prefix="step-")
         CHECKPOINTS.inc()
         self.state.checkpoint_step, self.state.checkpoint_path = step, str(target)
         _log.info("checkpoint", step=step, path=str(target), seconds=round(time.perf_counter() - t0, 3))
@@ -214,6 +219,8 @@ class LearnerLoop:
         """
         if self.checkpoint_dir is None:
             return False
+        if self.mirror is not None:
+            self._pull_latest()
         path = checkpoint.latest(self.checkpoint_dir)
         if path is None:
             return False
@@ -238,6 +245,19 @@ class LearnerLoop:
             POLICY_VERSION.set(s.policy_version)
         _log.info("resumed", step=s.step, policy_version=s.policy_version, path=str(path))
         return True
+
+    def _pull_latest(self) -> None:
+        """Make the object store's newest checkpoint the local latest if it is newer than the local one."""
+        name = self.mirror.latest()
+        if name is None:
+            return
+        local = checkpoint.latest(self.checkpoint_dir)
+        if local is not None and local.name == name:
+            return
+        pulled = self.mirror.pull(name, self.checkpoint_dir)
+        if local is None or checkpoint.step_of(pulled) > checkpoint.step_of(local):
+            checkpoint.mark_latest(self.checkpoint_dir, pulled)
+            _log.info("checkpoint fetched", url=f"{self.mirror.store.url}/{name}", path=str(pulled))
 
     # -- control -------------------------------------------------------------------------------
     def pause(self) -> None:
