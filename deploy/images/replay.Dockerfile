@@ -12,6 +12,8 @@ COPY pyproject.toml README.md ./
 COPY protos protos
 COPY clients clients
 COPY services services
+# the two distributions of this repository (their pins are in the pyproject.toml files), not PyPI names
+# hadolint ignore=DL3013
 RUN pip install --no-cache-dir ./clients ".[replay]"
 
 FROM python:3.11-slim-bookworm

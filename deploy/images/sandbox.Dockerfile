@@ -12,6 +12,8 @@ COPY pyproject.toml README.md ./
 COPY protos protos
 COPY clients clients
 COPY services services
+# the two distributions of this repository (their pins are in the pyproject.toml files), not PyPI names
+# hadolint ignore=DL3013
 RUN pip install --no-cache-dir ./clients ".[sandbox]"
 
 FROM python:3.11-slim-bookworm
@@ -24,5 +26,6 @@ ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 HOME=/tmp
 WORKDIR /var/lib/temper
 # root, on purpose: runsc needs it to create namespaces, mounts and the cgroup of each sandbox (see
 # deploy/k8s/base/sandbox.yaml for the pod security context); untrusted code runs as UID 65534 inside runsc
+# hadolint ignore=DL3002
 USER 0:0
 ENTRYPOINT ["python", "-m", "temper.sandbox"]
