@@ -20,7 +20,7 @@ from pathlib import Path
 from temper.runtime.storage import ObjectStore, StorageError
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m temper.cli.submit", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="TOML file whose [job] table is the job")
@@ -30,7 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kafka-bootstrap", required=True)
     parser.add_argument("--report-url", default="", help="s3://bucket/prefix or a path; the report goes to <it>/<job id>/")
     parser.add_argument("--timeout", type=float, default=7 * 24 * 3600.0, help="seconds the job may take")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     from temper.cli.job import follow_job, write_report
     from temper.client.sdk import LearnerClient
