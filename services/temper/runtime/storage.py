@@ -56,13 +56,14 @@ class ObjectStore:
     def __init__(self, url: str, check: bool = True):
         if not url:
             raise StorageError(url, "empty URL (use s3://bucket/prefix or a local path)")
+        protocol = fsspec.core.split_protocol(url)[0] or "file"
         self.url = url.rstrip("/")
-        protocol = fsspec.core.split_protocol(self.url)[0] or "file"
         if protocol not in ("file", "s3"):
             raise StorageError(url, f"unsupported scheme {protocol!r} (use s3:// or a local path)")
-        options = {}
+        options = {"auto_mkdir": True} if protocol == "file" else {}
         if protocol == "s3":
-            options = {"config_kwargs": S3_CLIENT_CONFIG, "skip_instance_cache": True}
+            # no listing cache: another process (a restarted pod) may have written since the last look
+            options = {"config_kwargs": S3_CLIENT_CONFIG, "skip_instance_cache": True, "use_listings_cache": False}
             if not fsspec.core.strip_protocol(self.url).strip("/"):
                 raise StorageError(url, "no bucket named (use s3://bucket/prefix)")
         try:
@@ -111,14 +112,16 @@ class ObjectStore:
         return self._call("stat", name, lambda: self.fs.exists(self._path(name)))
 
     def names(self) -> list[str]:
-        """The names directly under this folder (objects and sub-folders), sorted."""
+        """The names directly under this folder that hold objects (objects and sub-folders), sorted. Derived
+        from the object keys: some servers (SeaweedFS) list a folder whose objects were all deleted."""
         try:
-            entries = self.fs.ls(self.root, detail=False)
+            keys = self.fs.find(self.root)
         except FileNotFoundError:
             return []
         except Exception as e:  # noqa: BLE001
             raise StorageError(self.url, f"cannot list ({_reason(e)})") from e
-        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in entries)
+        prefix = self.root.rstrip("/") + "/"
+        return sorted({k[len(prefix):].split("/", 1)[0] for k in keys if k.startswith(prefix)})
 
     def delete(self, name: str) -> None:
         self._call("delete", name, lambda: self.fs.rm(self._path(name), recursive=True))
@@ -138,7 +141,7 @@ class ObjectStore:
         temporary name and renamed into place, so a crash mid-download leaves no half folder."""
         local = Path(local)
         prefix = self._path(name).rstrip("/")
-        remote = self._call("list", name, lambda: self.fs.find(prefix))
+        remote = [p for p in self._call("list", name, lambda: self.fs.find(prefix)) if p.startswith(prefix + "/")]
         if not remote:
             raise StorageError(self.url, f"no folder {name!r}")
         tmp = local.parent / f".{local.name}.download-{os.getpid()}"
