@@ -64,7 +64,7 @@ class ObjectStore:
         if protocol == "s3":
             # no listing cache: another process (a restarted pod) may have written since the last look
             options = {"config_kwargs": S3_CLIENT_CONFIG, "skip_instance_cache": True, "use_listings_cache": False}
-            if not fsspec.core.strip_protocol(self.url).strip("/"):
+            if not fsspec.core.split_protocol(url)[1].strip("/"):
                 raise StorageError(url, "no bucket named (use s3://bucket/prefix)")
         try:
             self.fs, self.root = fsspec.core.url_to_fs(self.url, **options)
