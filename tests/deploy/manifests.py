@@ -55,7 +55,7 @@ def render(directory: Path) -> list[dict]:
     return copy.deepcopy(_render(directory))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _render(directory: Path) -> list[dict]:
     out = subprocess.run([kubectl(), "kustomize", str(directory)], capture_output=True, text=True, timeout=120)
     if out.returncode != 0:
@@ -80,7 +80,7 @@ class Report:
 
 
 # -- schemas ----------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _validator(version: str, kind: str, api_version: str) -> jsonschema.Validator | None:
     """A strict validator for ``kind`` from kubernetes-validate's bundled schemas (the files its own
     ``validate`` reads; built once here, and used with iter_errors so that every error is reported)."""
@@ -227,7 +227,8 @@ def check_configs(objs: list[dict], report: Report, tmp: Path) -> dict[str, obje
                 continue
             args = expand(c.get("args", []), container_env(c, objs))
             config_path = flag(args, "--config")
-            mount = next((m for m in c.get("volumeMounts", []) if config_path and config_path.startswith(m["mountPath"] + "/")), None)
+            mount = next((m for m in c.get("volumeMounts", [])
+                          if config_path and config_path.startswith(m["mountPath"] + "/")), None)
             if mount is None or mount["name"] not in mounts:
                 report.add(obj, f"containers[{c['name']}].args", f"--config {config_path} is not on a mounted ConfigMap")
                 continue
@@ -283,11 +284,13 @@ def check_pods(objs: list[dict], report: Report) -> None:
             if sc.get("privileged"):
                 report.add(obj, f"{where}.securityContext.privileged", "only the sandbox may be privileged")
             if service is not None or obj["metadata"]["name"] == "otel-collector":
-                for path, ok in ((f"{where}.securityContext.allowPrivilegeEscalation", sc.get("allowPrivilegeEscalation") is False),
-                                 (f"{where}.securityContext.capabilities.drop", "ALL" in sc.get("capabilities", {}).get("drop", [])),
-                                 ("securityContext.runAsNonRoot", psc.get("runAsNonRoot") is True or sc.get("runAsNonRoot") is True),
-                                 ("securityContext.seccompProfile", psc.get("seccompProfile", {}).get("type") == "RuntimeDefault"),
-                                 ("automountServiceAccountToken", pod.get("automountServiceAccountToken") is False)):
+                rules = (
+                    (f"{where}.securityContext.allowPrivilegeEscalation", sc.get("allowPrivilegeEscalation") is False),
+                    (f"{where}.securityContext.capabilities.drop", "ALL" in sc.get("capabilities", {}).get("drop", [])),
+                    ("securityContext.runAsNonRoot", psc.get("runAsNonRoot") is True or sc.get("runAsNonRoot") is True),
+                    ("securityContext.seccompProfile", psc.get("seccompProfile", {}).get("type") == "RuntimeDefault"),
+                    ("automountServiceAccountToken", pod.get("automountServiceAccountToken") is False))
+                for path, ok in rules:
                     if not ok:
                         report.add(obj, path, "does not meet Pod Security `restricted`")
         for c in pod.get("containers", []):

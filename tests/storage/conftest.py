@@ -34,7 +34,7 @@ def s3_server(tmp_path_factory):
              "webdav.port": base + 4, "admin.port": base + 5, "s3.port.iceberg": base + 6, "s3.port.lance": base + 7,
              "metricsPort": base + 8}
     env = {**os.environ, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
-    log = open(home / "weed.log", "w")
+    log = open(home / "weed.log", "w")  # noqa: SIM115 - the server writes to it until the session ends
     proc = subprocess.Popen([_weed(), "mini", f"-dir={home / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                              "-bucket=temper", *(f"-{k}={v}" for k, v in ports.items())],
                             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
