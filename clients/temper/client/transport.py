@@ -16,8 +16,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 MAX_MESSAGE_BYTES = 64 << 20
 
-# every method of every service: UNAVAILABLE (connection refused/reset, server restarting) is retried
+# every method of every service: UNAVAILABLE (connection refused/reset, server restarting) is retried.
+# round_robin: a target that resolves to many servers (dns:///inference-pods:50051, a headless Service in
+# Kubernetes) spreads calls over all of them; with one address it is the same as the default pick_first
 RETRY_SERVICE_CONFIG = json.dumps({
+    "loadBalancingConfig": [{"round_robin": {}}],
     "methodConfig": [{
         "name": [{}],
         "retryPolicy": {
