@@ -1,4 +1,4 @@
-"""The SDK's channel spreads calls over every address a target resolves to (round_robin), as the
+"""The SDK's channel spreads calls over every address a multi-server target names (round_robin), as the
 scheduler needs for `dns:///inference-pods:50051` in Kubernetes; here two real servers on 127.0.0.1."""
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ def test_calls_go_to_every_resolved_server():
             answers = [call(b"", timeout=10, wait_for_ready=True) for _ in range(20)]
         assert set(answers) == {b"a", b"b"}
         assert abs(answers.count(b"a") - answers.count(b"b")) <= 2
+        with transport.channel(f"127.0.0.1:{pa}") as ch:  # a plain host:port: one server, pick_first
+            call = ch.unary_unary("/test.Who/Am", request_serializer=None, response_deserializer=None)
+            assert {call(b"", timeout=10) for _ in range(5)} == {b"a"}
     finally:
         a.stop(0)
         b.stop(0)
