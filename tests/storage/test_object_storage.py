@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from temper.learner import checkpoint
-from temper.learner.loop import LearnerLoop
+from temper.learner.loop import UPLOAD_FAILURES, LearnerLoop
 from temper.learner.trainer import Trainer, TrainerConfig
 from temper.models.tiny import build_tiny_model
 from temper.replay.store import ReplayStore
 from temper.runtime.storage import Mirror, ObjectStore, StorageError, main as storage_main
+from temper.v1 import common_pb2
 from tests.learner.test_trainer import synthetic_batch
 from tests.replay.util import make_group
 
@@ -156,3 +157,28 @@ def test_fetch_command_downloads_a_model_folder_once(s3_env, model_dir, tmp_path
     assert "kept" in capsys.readouterr().out
     assert storage_main(["fetch", f"{store.url}/missing", str(tmp_path / "other")]) == 1
     assert "no folder 'missing'" in capsys.readouterr().err
+
+
+def _groups(n: int) -> list[common_pb2.RolloutGroup]:
+    """Scored groups over the tiny model's vocabulary, each with a learning signal."""
+    return [common_pb2.RolloutGroup(group_id=f"g{i}", job_id="j", task=common_pb2.Task(domain="toy.copy"), trajectories=[
+        common_pb2.Trajectory(trajectory_id=f"g{i}/{k}", group_id=f"g{i}", prompt_token_ids=[2, 5 + i, 7],
+                              completion_token_ids=[6 + k, 9], completion_logprobs=[-1.0, -2.0],
+                              reward=common_pb2.Reward(total=float(k % 2), status=common_pb2.REWARD_STATUS_OK))
+        for k in range(4)]) for i in range(n)]
+
+
+def test_a_periodic_checkpoint_that_cannot_be_uploaded_is_counted_and_training_goes_on(s3_env, model_dir, tmp_path,
+                                                                                      monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed_port()}")  # the store went away mid-run
+    mirror = Mirror(ObjectStore("s3://temper/gone", check=False))
+    loop = LearnerLoop(Trainer(model_dir, TrainerConfig()), None, [], None, 2, checkpoint_dir=tmp_path / "ckpt",
+                       checkpoint_every=1, mirror=mirror)
+    before = UPLOAD_FAILURES._value.get()
+    assert loop.train_on(_groups(2)) is not None and loop.state.step == 1
+    assert UPLOAD_FAILURES._value.get() == before + 1
+    assert checkpoint.latest(tmp_path / "ckpt").name == "step-00000001"  # on local disk all the same
+    assert loop.train_on(_groups(2)) is not None and loop.state.step == 2
+    assert UPLOAD_FAILURES._value.get() == before + 2
+    with pytest.raises(StorageError, match="object store s3://temper/gone: upload manual/"):
+        loop.checkpoint("manual")  # asked for: the caller hears of it (a Checkpoint RPC answers UNAVAILABLE)

@@ -25,7 +25,7 @@ from temper.learner.trainer import Trainer
 from temper.runtime import kafka
 from temper.runtime.errors import InvalidArgument
 from temper.runtime.logs import get_logger
-from temper.runtime.storage import Mirror
+from temper.runtime.storage import Mirror, StorageError
 from temper.runtime.tracing import tracer
 from temper.v1 import common_pb2
 
@@ -40,6 +40,7 @@ TOKENS = Counter("temper_learner_tokens", "Completion tokens trained on")
 SKIPPED = Counter("temper_learner_skipped_batches", "Batches refused (never trained on), by field", ["field"])
 PUSH_FAILURES = Counter("temper_learner_weight_push_failures", "Weight pushes an inference replica refused")
 CHECKPOINTS = Counter("temper_learner_checkpoints", "Checkpoints written")
+UPLOAD_FAILURES = Counter("temper_learner_checkpoint_upload_failures", "Periodic checkpoints not uploaded to checkpoint_url")
 
 
 @dataclass
@@ -141,7 +142,11 @@ class LearnerLoop:
             if self.producer is not None:
                 self.producer.send(kafka.METRICS, batch.job_id or "learner", metrics).get(30)
             if self.checkpoint_every > 0 and self.checkpoint_dir and self.trainer.step_count % self.checkpoint_every == 0:
-                self._checkpoint(None)
+                try:
+                    self._checkpoint(None)
+                except StorageError as e:  # written locally; the next checkpoint uploads again. Training goes on
+                    UPLOAD_FAILURES.inc()
+                    _log.error("checkpoint upload failed", step=self.trainer.step_count, error=str(e))
             s = self.state
             s.step, s.policy_version, s.last = self.trainer.step_count, version, metrics
             s.stale_groups_dropped += int(values.get("stale_groups_dropped", 0))
