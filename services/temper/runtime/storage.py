@@ -179,7 +179,9 @@ class Mirror:
     def latest(self) -> str | None:
         """The name the ``latest`` pointer holds, or None."""
         raw = self.store.read_bytes(LATEST)
-        return raw.decode().strip() or None if raw is not None else None
+        if raw is None:
+            return None
+        return raw.decode().strip() or None
 
     def pull(self, name: str, local_root: str | Path) -> Path:
         """``<url>/<name>/`` as ``local_root/name`` (downloaded unless it is there already)."""
