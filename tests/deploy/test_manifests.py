@@ -18,6 +18,8 @@ from tests.deploy import manifests as m
 
 IMAGES = m.REPO / "deploy" / "images"
 
+pytestmark = pytest.mark.slow  # kustomize and hadolint run as processes
+
 
 @pytest.fixture(scope="module", params=m.OVERLAYS)
 def overlay(request):

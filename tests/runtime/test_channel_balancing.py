@@ -6,8 +6,11 @@ from __future__ import annotations
 from concurrent import futures
 
 import grpc
+import pytest
 
 from temper.client import transport
+
+pytestmark = pytest.mark.slow  # starts gRPC servers
 
 
 def _server(name: bytes) -> tuple[grpc.Server, int]:

@@ -21,7 +21,7 @@ from temper.replay.store import ReplayStore
 from temper.runtime.storage import Mirror, ObjectStore, StorageError, main as storage_main
 from temper.v1 import common_pb2
 from tests.learner.test_trainer import synthetic_batch
-from tests.replay.util import make_group
+from tests.builders import scored_group
 
 
 def closed_port() -> int:
@@ -95,7 +95,7 @@ def test_the_learner_resumes_from_the_object_store_on_an_empty_disk(s3_env, mode
 def test_replay_restores_a_snapshot_from_the_object_store(s3_env, tmp_path):
     url = f"s3://temper/replay-{os.getpid()}"
     a = ReplayStore(tmp_path / "a" / "replay.sqlite", ["default"], tmp_path / "a" / "ckpt", mirror=Mirror(ObjectStore(url)))
-    a.insert("default", [make_group(f"g{i}", seed=i) for i in range(5)])
+    a.insert("default", [scored_group(f"g{i}", seed=i) for i in range(5)])
     ckpt_id, size, sizes = a.checkpoint()
     a.close()
     assert sizes == {"default": 5} and size > 0
