@@ -9,6 +9,10 @@
 #   make protos  regenerate clients/temper/v1 from protos/ (clients/build_protos.py, the one recipe)
 #   make lint    ruff; buf lint of protos/; buf breaking against protos/baseline.binpb
 #   make proto-baseline  accept the current protos as the contract buf breaking checks against
+#   make deploy-check   deploy/ without a cluster: kustomize overlays rendered, every object validated against
+#                the Kubernetes schemas, the rendered config parsed by the services' config classes,
+#                Dockerfiles linted (tests/deploy)
+#   make images  build every service's image (needs a Docker engine; TAG=0.1.0 REGISTRY=ghcr.io/temper-rl)
 
 PYTHON ?= python3
 VENV := .venv
@@ -18,17 +22,25 @@ STAMP := $(VENV)/.temper-setup
 PROTO_SRC := $(wildcard protos/temper/v1/*.proto)
 PROTO_STAMP := clients/temper/v1/.generated
 
-.PHONY: setup run test test-fast test-rest bench bench-peers protos lint proto-baseline clean system-deps
+.PHONY: setup run test test-fast test-rest bench bench-peers protos lint proto-baseline clean system-deps deploy-tools deploy-check images
 
 SMOLLM2 := .temper/models/smollm2-135m-instruct
 
 setup: $(STAMP) $(PROTO_STAMP) $(SMOLLM2)/temper-smollm2.json
 
-# System packages: gVisor's runsc (for the sandbox service). apt needs root, as on CI.
-system-deps:
+# System packages: gVisor's runsc (for the sandbox service), kubectl (its kustomize renders deploy/k8s
+# for tests/deploy). apt needs root, as on CI.
+system-deps: deploy-tools
 	@command -v runsc >/dev/null 2>&1 || { \
 	  echo "installing runsc (gVisor) with apt"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq runsc; }
+
+# Debian's kubectl (package kubernetes-client, kustomize v2.0) when none is installed; deploy/k8s is
+# written for kustomize v2.0 and later, so any kubectl >= 1.14 renders it.
+deploy-tools:
+	@command -v kubectl >/dev/null 2>&1 || { \
+	  echo "installing kubectl with apt"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq kubernetes-client; }
 
 $(STAMP): pyproject.toml clients/pyproject.toml | system-deps
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -99,6 +111,16 @@ lint: setup
 # the same commit as the .proto change, so the review sees both. Adding fields/messages/RPCs needs no update.
 proto-baseline: setup
 	$(BUF) build protos --exclude-source-info -o protos/baseline.binpb
+
+deploy-check: setup
+	$(VENV)/bin/pytest -q -ra tests/deploy
+
+REGISTRY ?= ghcr.io/temper-rl
+TAG ?= 0.1.0
+IMAGES := inference sandbox reward replay learner scheduler monitor cli
+images:
+	for s in $(IMAGES); do docker build -f deploy/images/$$s.Dockerfile -t $(REGISTRY)/temper-$$s:$(TAG) . || exit 1; done
+	for s in inference learner; do docker build -f deploy/images/$$s.cuda.Dockerfile -t $(REGISTRY)/temper-$$s:$(TAG)-cuda . || exit 1; done
 
 clean:
 	rm -rf build clients/temper/v1 .temper runs

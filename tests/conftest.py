@@ -168,6 +168,7 @@ PROCESS_FIXTURES = frozenset({
     "service", "client",                    # sandbox/inference: the service as a process
     "sandbox", "scorer",                    # reward: the sandbox service; the math verifier's worker pool
     "learner_stack", "run",                 # learner: broker + inference + replay; e2e: `temper run`
+    "s3_server", "s3_env",                  # storage: a SeaweedFS S3 server
 })
 
 

@@ -36,11 +36,19 @@ CHANNEL_OPTIONS = (
     ("grpc.enable_retries", 1),
     ("grpc.service_config", RETRY_SERVICE_CONFIG),
 )
+# A target that names several servers (``dns:///inference-pods:50051``: a headless Service in Kubernetes;
+# ``ipv4:a:p,b:q``) spreads calls over all of them (round_robin). A plain host:port keeps pick_first,
+# which reconnects at once to a restarted server instead of after round_robin's reconnect backoff.
+BALANCED_TARGETS = ("dns:", "ipv4:", "ipv6:")
+BALANCED_OPTIONS = tuple(
+    ("grpc.service_config", json.dumps({**json.loads(RETRY_SERVICE_CONFIG), "loadBalancingConfig": [{"round_robin": {}}]}))
+    if key == "grpc.service_config" else (key, value) for key, value in CHANNEL_OPTIONS)
 
 
 def channel(address: str, interceptors: Sequence[grpc.UnaryUnaryClientInterceptor] = ()) -> grpc.Channel:
     """An insecure channel to ``address`` with Temper's limits and retry policy."""
-    ch = grpc.insecure_channel(address, options=list(CHANNEL_OPTIONS))
+    options = BALANCED_OPTIONS if address.startswith(BALANCED_TARGETS) else CHANNEL_OPTIONS
+    ch = grpc.insecure_channel(address, options=list(options))
     return grpc.intercept_channel(ch, *interceptors) if interceptors else ch
 
 

@@ -126,6 +126,11 @@ def latest(root: str | Path) -> Path | None:
     return path if (path / "trainer.json").exists() else None
 
 
+def step_of(directory: str | Path) -> int:
+    """The trainer step a checkpoint directory holds."""
+    return int(json.loads((Path(directory) / "trainer.json").read_text())["step"])
+
+
 def prune(root: str | Path, keep: int) -> None:
     """Delete all but the ``keep`` newest ``step-*`` checkpoints under ``root`` (never the latest)."""
     if keep <= 0:

@@ -32,6 +32,9 @@ class LearnerConfig(ServiceConfig, TrainerConfig):
     # rewards are all equal: it teaches nothing, so a prioritized table stops drawing it)
     priority_signal: Literal["none", "mean_abs_advantage"] = Field(
         "none", description="per-group priority sent to replay after each step")
+    checkpoint_url: str = Field("", description="object storage (s3://bucket/prefix or a path) every checkpoint is "
+                                                "uploaded to; a learner whose checkpoint_dir is empty (a new pod) "
+                                                "resumes from its newest one; \"\" = checkpoint_dir only")
     dependency_wait_seconds: float = Field(120.0, description="at start-up, how long to wait for inference replicas "
                                                               "that are still starting before resuming")
 

@@ -31,6 +31,7 @@ from temper.learner.trainer import Trainer
 from temper.runtime import kafka
 from temper.runtime.errors import InvalidArgument, require
 from temper.runtime.logs import get_logger
+from temper.runtime.storage import Mirror, StorageError
 from temper.runtime.tracing import links_to, tracer
 from temper.v1 import common_pb2
 
@@ -49,6 +50,7 @@ CHECKPOINTS = Counter("temper_learner_checkpoints", "Checkpoints written")
 PRIORITY_UPDATES = Counter("temper_learner_priority_updates", "Group priorities replay accepted from this learner")
 DROPPED = Counter("temper_learner_dropped_groups", "Groups left out of a batch (the rest trained on), by reason",
                   ["reason"])
+UPLOAD_FAILURES = Counter("temper_learner_checkpoint_upload_failures", "Periodic checkpoints not uploaded to checkpoint_url")
 
 
 @dataclass
@@ -73,7 +75,7 @@ class LearnerLoop:
                  producer: kafka.ProtoProducer | None, groups_per_step: int, table: str = "default",
                  sample_timeout_ms: int = 5_000, checkpoint_dir: str | Path | None = None,
                  checkpoint_every: int = 0, keep_checkpoints: int = 3, priority_signal: str = "none",
-                 model_dir: str | Path | None = None):
+                 model_dir: str | Path | None = None, mirror: Mirror | None = None):
         self.trainer = trainer
         self.model_dir = model_dir  # the folder the policy started from (config, tokenizer of exports)
         self.replay = replay
@@ -86,6 +88,7 @@ class LearnerLoop:
         self.checkpoint_every = checkpoint_every
         self.keep_checkpoints = keep_checkpoints
         self.priority_signal = priority_signal  # sent to replay as each group's priority after a step
+        self.mirror = mirror  # object storage that every checkpoint is uploaded to (runtime.storage)
         self.state = LearnerState()
         self._lock = threading.Lock()  # one step / checkpoint at a time
         self._pending: tuple[list[common_pb2.RolloutGroup], list[float]] | None = None
@@ -182,7 +185,11 @@ class LearnerLoop:
             if self.producer is not None:
                 self.producer.send(kafka.METRICS, batch.job_id or "learner", metrics).get(30)
             if self.checkpoint_every > 0 and self.checkpoint_dir and self.trainer.step_count % self.checkpoint_every == 0:
-                self._checkpoint(None)
+                try:
+                    self._checkpoint(None)
+                except StorageError as e:  # written locally; the next checkpoint uploads again. Training goes on
+                    UPLOAD_FAILURES.inc()
+                    _log.error("checkpoint upload failed", step=self.trainer.step_count, error=str(e))
             s = self.state
             s.step, s.policy_version, s.last = self.trainer.step_count, version, metrics
             s.stale_groups_dropped += stale
@@ -273,6 +280,9 @@ class LearnerLoop:
         checkpoint.save(self.trainer, target)
         checkpoint.mark_latest(root, target)
         checkpoint.prune(root, self.keep_checkpoints)
+        if self.mirror is not None:  # a failed upload fails the checkpoint (StorageError), loudly
+            self.mirror.push(target)
+            self.mirror.prune(self.keep_checkpoints, prefix="step-")
         CHECKPOINTS.inc()
         self.state.checkpoint_step, self.state.checkpoint_path = step, str(target)
         _log.info("checkpoint", step=step, path=str(target), seconds=round(time.perf_counter() - t0, 3))
@@ -292,6 +302,8 @@ class LearnerLoop:
         """
         if self.checkpoint_dir is None:
             return False
+        if self.mirror is not None:
+            self._pull_latest()
         path = checkpoint.latest(self.checkpoint_dir)
         if path is None:
             return False
@@ -326,6 +338,19 @@ class LearnerLoop:
             size = export_policy(self.trainer.weights(), self.model_dir, path, dtype,
                                  meta={"step": step, "policy_version": version})
         return Path(path), step, version, size
+
+    def _pull_latest(self) -> None:
+        """Make the object store's newest checkpoint the local latest if it is newer than the local one."""
+        name = self.mirror.latest()
+        if name is None:
+            return
+        local = checkpoint.latest(self.checkpoint_dir)
+        if local is not None and local.name == name:
+            return
+        pulled = self.mirror.pull(name, self.checkpoint_dir)
+        if local is None or checkpoint.step_of(pulled) > checkpoint.step_of(local):
+            checkpoint.mark_latest(self.checkpoint_dir, pulled)
+            _log.info("checkpoint fetched", url=f"{self.mirror.store.url}/{name}", path=str(pulled))
 
     # -- control -------------------------------------------------------------------------------
     def pause(self) -> None:

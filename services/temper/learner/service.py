@@ -12,7 +12,8 @@ from temper.learner.servicer import LearnerServicer
 from temper.learner.trainer import Trainer
 from temper.runtime import kafka
 from temper.runtime.rpc import client
-from temper.runtime.service import Service
+from temper.runtime.service import Service, StartupError
+from temper.runtime.storage import StorageError, mirror_from_url
 from temper.v1 import learner_pb2, learner_pb2_grpc
 
 
@@ -22,6 +23,10 @@ class LearnerService(Service[LearnerConfig]):
 
     def open(self, stack: ExitStack) -> None:
         config = self.config
+        try:  # before the model loads: a store that cannot be used stops the start at once
+            mirror = mirror_from_url(config.checkpoint_url)
+        except StorageError as e:
+            raise StartupError(f"checkpoint_url: {e}") from e
         trainer = Trainer(config.model_dir, config.trainer_config())  # the slow part; the port is already bound
         # channels to dependencies that may still be loading: calls wait for their servers (see runtime.service)
         replay = stack.enter_context(client(ReplayClient, config.replay_address))
@@ -29,7 +34,8 @@ class LearnerService(Service[LearnerConfig]):
         self.loop = LearnerLoop(trainer, replay, replicas, None, config.groups_per_step, config.table,
                                 checkpoint_dir=config.checkpoint_dir or Path(config.data_dir) / "checkpoints",
                                 checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints,
-                                priority_signal=config.priority_signal, model_dir=config.model_dir)
+                                priority_signal=config.priority_signal, model_dir=config.model_dir,
+                                mirror=mirror)
         kafka.ensure_topics(config.kafka_bootstrap)
         self.loop.producer = kafka.ProtoProducer(config.kafka_bootstrap, client_id="temper-learner")
         stack.callback(self.loop.producer.close)

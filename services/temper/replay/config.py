@@ -25,6 +25,9 @@ class ReplayConfig(ServiceConfig):
     ingest_block_ms: int = Field(10_000, description="how long one consumed group waits for the rate limiter before "
                                                      "a retry")
     checkpoint_dir: str = Field("", description='"" = <data_dir>/checkpoints')
+    snapshot_url: str = Field("", description="object storage (s3://bucket/prefix or a path) every snapshot (gRPC "
+                                              "Checkpoint) is uploaded to; Restore of an id not in checkpoint_dir "
+                                              "fetches it from there; \"\" = checkpoint_dir only")
     fsync: bool = Field(True, description="true: an acknowledged group survives an OS crash or power loss (fsync "
                                           "before every answer); false: it survives a crash of this process "
                                           "(kill -9) only, for two fsyncs less per write")

@@ -17,7 +17,8 @@ from temper.replay import servicer as replay_servicer
 from temper.replay.config import ReplayConfig
 from temper.replay.store import ReplayStore
 from temper.runtime import kafka
-from temper.runtime.service import Service
+from temper.runtime.service import Service, StartupError
+from temper.runtime.storage import StorageError, mirror_from_url
 from temper.v1 import common_pb2
 
 
@@ -27,8 +28,12 @@ class ReplayService(Service[ReplayConfig]):
 
     def open(self, stack: ExitStack) -> None:
         config = self.config
+        try:
+            mirror = mirror_from_url(config.snapshot_url)
+        except StorageError as e:
+            raise StartupError(f"snapshot_url: {e}") from e
         self.store = ReplayStore(Path(config.data_dir) / "replay.sqlite", config.tables, config.checkpoint_dir or None,
-                                 fsync=config.fsync)
+                                 fsync=config.fsync, mirror=mirror)
         stack.callback(self.store.close)
         self.consumer = None
         if config.ingest_tables:

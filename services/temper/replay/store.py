@@ -37,6 +37,7 @@ from temper.replay.payloads import PayloadLog
 from temper.replay.tables import Draw, Removal, Table, TableConfig, TableStats
 from temper.replay.wire import array_lengths
 from temper.runtime.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, require
+from temper.runtime.storage import Mirror
 from temper.v1 import common_pb2
 
 SCHEMA_VERSION = 1
@@ -140,7 +141,7 @@ class Prepared:
 
 class ReplayStore:
     def __init__(self, path: str | Path, tables: dict[str, TableConfig] | list[str],
-                 checkpoint_dir: str | Path | None = None, fsync: bool = True):
+                 checkpoint_dir: str | Path | None = None, fsync: bool = True, mirror: Mirror | None = None):
         """``fsync=False`` keeps every guarantee against a crash of this process (kill -9: what
         was written is in the OS page cache) but not against an OS crash or power loss; it saves
         two fsyncs per write transaction."""
@@ -150,6 +151,7 @@ class ReplayStore:
             tables = {name: TableConfig() for name in tables}
         self.configs = dict(tables)
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else self.path.parent / "checkpoints"
+        self.mirror = mirror  # object storage every checkpoint is uploaded to (runtime.storage)
         self.log = PayloadLog(self.path.parent / f"{self.path.stem}-payloads", fsync=fsync)
         self._cond = threading.Condition(threading.Lock())
         self._closed = False
@@ -532,12 +534,17 @@ class ReplayStore:
             tmp.replace(final)
             _fsync(self.checkpoint_dir)
             sizes = {name: t.items.n for name, t in self.tables.items()}
+        if self.mirror is not None:  # outside the lock: inserts and samples go on during the upload
+            self.mirror.push(final)
         return ckpt_id, sum(f.stat().st_size for f in final.rglob("*") if f.is_file()), sizes
 
     def restore(self, checkpoint_id: str) -> dict[str, int]:
         """Replace the whole store (every table, counters, dedup keys) with a checkpoint's contents."""
         require(bool(CHECKPOINT_ID.match(checkpoint_id)), "checkpoint_id", f"malformed id {checkpoint_id!r}")
         source = self.checkpoint_dir / checkpoint_id
+        if not (source / "replay.sqlite").is_file() and self.mirror is not None \
+                and self.mirror.store.exists(f"{checkpoint_id}/replay.sqlite"):
+            self.mirror.pull(checkpoint_id, self.checkpoint_dir)
         if not (source / "replay.sqlite").is_file():
             raise NotFound(f"no checkpoint {checkpoint_id!r} in {self.checkpoint_dir}", field="checkpoint_id")
         with self._cond:

@@ -1,0 +1,400 @@
+"""Rendering and checking deploy/: each overlay through kustomize, each object against the Kubernetes
+schemas of ``K8S_VERSIONS``, the rendered temper.toml and pod arguments through the services' own
+config classes. Every problem is reported as ``<overlay> <Kind>/<name>: <field path>: <message>``.
+
+Used by tests/deploy (``make deploy-check`` runs them); no cluster is needed.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import tomllib
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jsonschema
+import yaml
+from kubernetes_validate import utils as kv_utils
+from referencing import Registry, Resource
+
+REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "deploy" / "k8s"
+OVERLAYS = ("cpu", "gpu")
+# the Kubernetes versions every manifest is validated against (strict: unknown fields are errors)
+K8S_VERSIONS = ("1.30.0", "1.32.0")
+# custom resources without a bundled schema: checked structurally by check_strimzi instead
+NO_SCHEMA_GROUPS = {"kafka.strimzi.io": "Strimzi publishes its CRD schemas only with the operator's release "
+                                        "files, not in any registry reachable here"}
+SERVICES = ("inference", "sandbox", "reward", "replay", "learner", "scheduler", "monitor")
+GRPC_PORTS = {"inference": 50051, "sandbox": 50052, "reward": 50053, "replay": 50054, "learner": 50055,
+              "scheduler": 50056, "monitor": 50057}
+CONFIG_CLASSES = {"inference": "InferenceConfig", "sandbox": "SandboxConfig", "reward": "RewardConfig",
+                  "replay": "ReplayConfig", "learner": "LearnerConfig", "scheduler": "SchedulerConfig",
+                  "monitor": "MonitorConfig"}
+WORKLOAD_KINDS = ("Deployment", "StatefulSet", "Job")
+
+
+def kubectl() -> str:
+    path = os.environ.get("KUBECTL") or shutil.which("kubectl")
+    if not path:
+        raise RuntimeError("kubectl (with its built-in kustomize) is needed to render deploy/k8s: `make deploy-tools` "
+                           "installs it (Debian package kubernetes-client)")
+    return path
+
+
+def render(directory: Path) -> list[dict]:
+    """``kubectl kustomize directory`` as a list of objects (a fresh copy each call: tests edit them)."""
+    return copy.deepcopy(_render(directory))
+
+
+@functools.cache
+def _render(directory: Path) -> list[dict]:
+    out = subprocess.run([kubectl(), "kustomize", str(directory)], capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise AssertionError(f"kustomize {directory.relative_to(REPO)} failed:\n{out.stderr}")
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def ref(obj: dict) -> str:
+    return f"{obj.get('kind', '?')}/{obj.get('metadata', {}).get('name', '?')}"
+
+
+@dataclass
+class Report:
+    where: str
+    errors: list[str] = field(default_factory=list)
+
+    def add(self, obj: dict | str, path: str, message: str) -> None:
+        self.errors.append(f"{self.where} {obj if isinstance(obj, str) else ref(obj)}: {path}: {message}")
+
+    def check(self) -> None:
+        assert not self.errors, f"{len(self.errors)} problem(s):\n" + "\n".join(self.errors)
+
+
+# -- schemas ----------------------------------------------------------------------------------
+@functools.cache
+def _validator(version: str, kind: str, api_version: str) -> jsonschema.Validator | None:
+    """A strict validator for ``kind`` from kubernetes-validate's bundled schemas (the files its own
+    ``validate`` reads; built once here, and used with iter_errors so that every error is reported)."""
+    schema_dir = f"kubernetes-json-schema/v{version}-local-strict"
+    api = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)
+    try:
+        schema = kv_utils.schema_contents(f"{schema_dir}/{kind.lower()}-{api}.json", version)
+    except FileNotFoundError:
+        return None
+    definitions = kv_utils.schema_contents(f"{schema_dir}/_definitions.json", version)
+    registry = Resource.from_contents(definitions) @ (Resource.from_contents(schema) @ Registry())
+    return jsonschema.validators.Draft202012Validator(schema, registry=registry)
+
+
+def validate_schemas(objs: list[dict], report: Report, versions=K8S_VERSIONS) -> list[str]:
+    """Validate every object against the Kubernetes schemas of ``versions`` (strict: unknown fields are
+    errors); returns the objects skipped, with the reason."""
+    skipped = []
+    for obj in objs:
+        api_version = obj.get("apiVersion", "")
+        group = api_version.split("/")[0] if "/" in api_version else ""
+        if group in NO_SCHEMA_GROUPS:
+            skipped.append(f"{ref(obj)} ({NO_SCHEMA_GROUPS[group]})")
+            continue
+        for version in versions:
+            validator = _validator(version, obj.get("kind", ""), api_version)
+            if validator is None:
+                report.add(obj, "apiVersion", f"{api_version} {obj.get('kind')} has no schema in Kubernetes {version}")
+                continue
+            for e in sorted(validator.iter_errors(obj), key=lambda e: list(map(str, e.absolute_path))):
+                path = ".".join(str(p) for p in e.absolute_path) or "(object)"
+                report.add(obj, path, f"{e.message} (Kubernetes {version} schema)")
+    return skipped
+
+
+def check_strimzi(objs: list[dict], report: Report) -> None:
+    """What a Strimzi operator would refuse or silently mis-run: topics of another cluster, more topic
+    replicas than brokers, a node pool of no cluster."""
+    clusters = {o["metadata"]["name"] for o in objs if o["kind"] == "Kafka"}
+    brokers = {}
+    for o in objs:
+        if o["kind"] not in ("KafkaNodePool", "KafkaTopic"):
+            continue
+        cluster = o["metadata"].get("labels", {}).get("strimzi.io/cluster")
+        if cluster not in clusters:
+            report.add(o, "metadata.labels.strimzi.io/cluster", f"{cluster!r} is not a Kafka here {sorted(clusters)}")
+        if o["kind"] == "KafkaNodePool" and "broker" in o["spec"].get("roles", []):
+            brokers[cluster] = brokers.get(cluster, 0) + int(o["spec"]["replicas"])
+    for o in objs:
+        if o["kind"] == "KafkaTopic":
+            spec = o.get("spec", {})
+            for key in ("partitions", "replicas"):
+                if not isinstance(spec.get(key), int) or spec[key] < 1:
+                    report.add(o, f"spec.{key}", f"must be an integer >= 1, got {spec.get(key)!r}")
+            cluster = o["metadata"].get("labels", {}).get("strimzi.io/cluster")
+            if isinstance(spec.get("replicas"), int) and spec["replicas"] > brokers.get(cluster, 0):
+                report.add(o, "spec.replicas", f"{spec['replicas']} replicas but cluster {cluster!r} has "
+                                               f"{brokers.get(cluster, 0)} broker(s)")
+
+
+# -- pods -------------------------------------------------------------------------------------
+def workloads(objs: list[dict]):
+    for o in objs:
+        if o["kind"] in WORKLOAD_KINDS:
+            yield o, o["spec"]["template"]["spec"]
+
+
+def service_of(container: dict) -> str | None:
+    """The Temper service a container runs (by its image name temper-<service>), or None."""
+    m = re.search(r"temper-([a-z]+)(?::|@|$)", container.get("image", ""))
+    return m.group(1) if m else None
+
+
+def container_env(container: dict, objs: list[dict]) -> dict[str, str]:
+    """The environment a container gets from its ConfigMaps (envFrom) and env values (Secrets are not
+    rendered: their keys are unknown here and left out)."""
+    maps = {o["metadata"]["name"]: o.get("data", {}) for o in objs if o["kind"] == "ConfigMap"}
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        if "configMapRef" in source:
+            env.update(maps.get(source["configMapRef"]["name"], {}))
+    for e in container.get("env", []):
+        if "value" in e:
+            env[e["name"]] = e["value"]
+        elif "configMapKeyRef" in e.get("valueFrom", {}):
+            r = e["valueFrom"]["configMapKeyRef"]
+            env[e["name"]] = maps.get(r["name"], {}).get(r["key"], "")
+    return env
+
+
+def expand(args: list[str], env: dict[str, str]) -> list[str]:
+    """Kubernetes' $(VAR) expansion of command and args (unknown variables stay as they are)."""
+    return [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), a) for a in args]
+
+
+def flag(args: list[str], name: str) -> str | None:
+    return args[args.index(name) + 1] if name in args and args.index(name) + 1 < len(args) else None
+
+
+@contextmanager
+def environment(env: dict[str, str]):
+    """``env`` as the process environment (TEMPER_* variables of a pod reach the config classes)."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update({k: v for k, v in saved.items() if not k.startswith("TEMPER_")})
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def config_class(service: str):
+    """The service's own config class: temper.<service>.config if it has one, else its entry point."""
+    for module in (f"temper.{service}.config", f"temper.{service}.__main__"):
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            continue
+        if hasattr(mod, CONFIG_CLASSES[service]):
+            return getattr(mod, CONFIG_CLASSES[service])
+    raise AssertionError(f"no {CONFIG_CLASSES[service]} in temper.{service}")
+
+
+def check_configs(objs: list[dict], report: Report, tmp: Path) -> dict[str, object]:
+    """Parse each Temper container's rendered config (temper.toml + env + args) with its service's config
+    class, and the [job] table with the scheduler's JobSpec; returns the parsed configs by service."""
+    from pydantic import ValidationError
+
+    from temper.runtime.config import load_config
+    from temper.runtime.errors import TemperError
+    from temper.scheduler.core import JobSpec
+
+    maps = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ConfigMap"}
+    parsed: dict[str, object] = {}
+    for obj, pod in workloads(objs):
+        mounts = {v["name"]: v["configMap"]["name"] for v in pod.get("volumes", []) if "configMap" in v}
+        for c in pod.get("containers", []):
+            service = service_of(c)
+            if service not in SERVICES:
+                continue
+            args = expand(c.get("args", []), container_env(c, objs))
+            config_path = flag(args, "--config")
+            mount = next((m for m in c.get("volumeMounts", [])
+                          if config_path and config_path.startswith(m["mountPath"] + "/")), None)
+            if mount is None or mount["name"] not in mounts:
+                report.add(obj, f"containers[{c['name']}].args", f"--config {config_path} is not on a mounted ConfigMap")
+                continue
+            data = maps[mounts[mount["name"]]].get("data", {})
+            key = config_path[len(mount["mountPath"]) + 1:]
+            if key not in data:
+                report.add(obj, f"volumes[{mount['name']}]", f"ConfigMap {mounts[mount['name']]} has no key {key}")
+                continue
+            toml_file = tmp / f"{obj['metadata']['name']}-{c['name']}.toml"
+            toml_file.write_text(data[key])
+            argv = ["--config", str(toml_file)] + [a for i, a in enumerate(args)
+                                                  if a != "--config" and (i == 0 or args[i - 1] != "--config")]
+            env = {k: v for k, v in container_env(c, objs).items() if k.startswith("TEMPER_")}
+            try:
+                with environment(env):
+                    parsed[service] = load_config(config_class(service), argv)
+            except ValidationError as e:
+                for err in e.errors():
+                    report.add(obj, f"temper.toml [{service}] " + ".".join(map(str, err["loc"])), err["msg"])
+            except SystemExit as e:  # the CLI source rejects a flag
+                report.add(obj, f"containers[{c['name']}].args", f"rejected by temper-{service}: {e}")
+            try:
+                job = tomllib.loads(data[key]).get("job")
+            except tomllib.TOMLDecodeError as e:
+                report.add(obj, f"ConfigMap {mounts[mount['name']]} {key}", f"not TOML: {e}")
+                continue
+            if job is not None and "job" not in parsed:
+                try:
+                    spec = JobSpec(**job)
+                    spec.validate()
+                    parsed["job"] = spec
+                except TypeError as e:
+                    report.add(obj, "temper.toml [job]", str(e))
+                except TemperError as e:
+                    report.add(obj, f"temper.toml [job] {e.field}", e.message)
+    return parsed
+
+
+def check_pods(objs: list[dict], report: Report) -> None:
+    """Probes, requests, restricted security for all but the sandbox, entry points that exist."""
+    for obj, pod in workloads(objs):
+        for c in pod.get("initContainers", []) + pod.get("containers", []):
+            where = f"containers[{c['name']}]"
+            if not c.get("resources", {}).get("requests"):
+                report.add(obj, f"{where}.resources.requests", "missing (the scheduler cannot place it)")
+            command = c.get("command", [])
+            if command[:2] == ["python", "-m"] and importlib.util.find_spec(command[2]) is None:
+                report.add(obj, f"{where}.command", f"no module {command[2]}")
+            service = service_of(c)
+            sc, psc = c.get("securityContext", {}), pod.get("securityContext", {})
+            if service == "sandbox":
+                continue  # privileged on purpose: deploy/k8s/base/sandbox.yaml says why
+            if sc.get("privileged"):
+                report.add(obj, f"{where}.securityContext.privileged", "only the sandbox may be privileged")
+            if service is not None or obj["metadata"]["name"] == "otel-collector":
+                rules = (
+                    (f"{where}.securityContext.allowPrivilegeEscalation", sc.get("allowPrivilegeEscalation") is False),
+                    (f"{where}.securityContext.capabilities.drop", "ALL" in sc.get("capabilities", {}).get("drop", [])),
+                    ("securityContext.runAsNonRoot", psc.get("runAsNonRoot") is True or sc.get("runAsNonRoot") is True),
+                    ("securityContext.seccompProfile", psc.get("seccompProfile", {}).get("type") == "RuntimeDefault"),
+                    ("automountServiceAccountToken", pod.get("automountServiceAccountToken") is False))
+                for path, ok in rules:
+                    if not ok:
+                        report.add(obj, path, "does not meet Pod Security `restricted`")
+        for c in pod.get("containers", []):
+            service = service_of(c)
+            if service not in GRPC_PORTS:
+                continue
+            port = GRPC_PORTS[service]
+            args = c.get("args", [])
+            if flag(args, "--port") != str(port):
+                report.add(obj, f"containers[{c['name']}].args", f"--port must be {port} (the Service's)")
+            if flag(args, "--host") != "0.0.0.0":
+                report.add(obj, f"containers[{c['name']}].args", "--host 0.0.0.0 is needed: probes and peers use the pod IP")
+            for probe in ("readinessProbe", "livenessProbe"):
+                if c.get(probe, {}).get("grpc", {}).get("port") != port:
+                    report.add(obj, f"containers[{c['name']}].{probe}", f"must be a gRPC health probe on {port}")
+
+
+def check_topology(objs: list[dict], parsed: dict, report: Report) -> None:
+    """The cross-object wiring that no schema sees."""
+    by = {(o["kind"], o["metadata"]["name"]): o for o in objs}
+    services = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Service"}
+    pods = [(o, o["spec"]["template"]) for o in objs if o["kind"] in WORKLOAD_KINDS]
+
+    def labels_match(selector: dict, labels: dict) -> bool:
+        return all(labels.get(k) == v for k, v in selector.items())
+
+    for s in services.values():
+        if not any(labels_match(s["spec"].get("selector", {}), t["metadata"].get("labels", {})) for _, t in pods):
+            report.add(s, "spec.selector", "selects no pod template")
+
+    def address(owner: str, path: str, addr: str) -> None:
+        target = addr.removeprefix("dns:///")
+        host, _, port = target.rpartition(":")
+        parts = host.split(".")
+        name = parts[1] if len(parts) > 1 and (("StatefulSet", parts[0].rsplit("-", 1)[0]) in by) else parts[0]
+        svc = services.get(name)
+        if svc is None:
+            report.add(owner, path, f"{addr}: no Service {name!r}")
+        elif int(port) not in [p["port"] for p in svc["spec"]["ports"]]:
+            report.add(owner, path, f"{addr}: Service {name} has no port {port}")
+        if len(parts) > 1 and parts[0] != name:  # pod-N.headless: the StatefulSet must use that Service
+            sts = by.get(("StatefulSet", parts[0].rsplit("-", 1)[0]))
+            if sts is None or sts["spec"]["serviceName"] != name:
+                report.add(owner, path, f"{addr}: {parts[0]} is not a pod of a StatefulSet served by {name}")
+
+    if "reward" in parsed:
+        address("temper.toml [reward]", "sandbox_address", parsed["reward"].sandbox_address)
+    if "scheduler" in parsed:
+        address("temper.toml [scheduler]", "inference_address", parsed["scheduler"].inference_address)
+    if "learner" in parsed:
+        learner = parsed["learner"]
+        address("temper.toml [learner]", "replay_address", learner.replay_address)
+        for i, a in enumerate(learner.inference_addresses):
+            address("temper.toml [learner]", f"inference_addresses[{i}]", a)
+        hpa = by.get(("HorizontalPodAutoscaler", "inference"))
+        if hpa and hpa["spec"]["maxReplicas"] > len(learner.inference_addresses):
+            report.add(hpa, "spec.maxReplicas", f"{hpa['spec']['maxReplicas']} replicas but the learner pushes weights "
+                                                f"to {len(learner.inference_addresses)} (inference_addresses)")
+        if not learner.checkpoint_url:
+            report.add("temper.toml [learner]", "checkpoint_url", "empty: checkpoints would live in the pod only")
+    if "replay" in parsed and not parsed["replay"].snapshot_url:
+        report.add("temper.toml [replay]", "snapshot_url", "empty: snapshots would live in the pod only")
+
+    for name in ("sandbox", "reward", "inference"):
+        hpa = by.get(("HorizontalPodAutoscaler", name))
+        if hpa is None:
+            report.add(f"HorizontalPodAutoscaler/{name}", "(object)", "missing")
+            continue
+        t = hpa["spec"]["scaleTargetRef"]
+        if (t["kind"], t["name"]) not in by:
+            report.add(hpa, "spec.scaleTargetRef", f"no {t['kind']} {t['name']}")
+    for o, tpl in pods:
+        if o["kind"] == "Job" or not any(service_of(c) in SERVICES for c in tpl["spec"]["containers"]):
+            continue
+        labels = tpl["metadata"].get("labels", {})
+        if not any(p["kind"] == "PodDisruptionBudget" and labels_match(p["spec"]["selector"]["matchLabels"], labels)
+                   for p in objs):
+            report.add(o, "(object)", "no PodDisruptionBudget selects its pods")
+    for name in ("replay", "learner"):
+        sts = by.get(("StatefulSet", name))
+        if sts is None:
+            report.add(f"StatefulSet/{name}", "(object)", "missing (its data needs a volume claim)")
+            continue
+        claims = {c["metadata"]["name"] for c in sts["spec"].get("volumeClaimTemplates", [])}
+        c = sts["spec"]["template"]["spec"]["containers"][0]
+        data_dir = flag(c.get("args", []), "--data-dir")
+        mount = next((m for m in c.get("volumeMounts", []) if m["mountPath"] == data_dir), None)
+        if mount is None or mount["name"] not in claims:
+            report.add(sts, "spec.volumeClaimTemplates", f"--data-dir {data_dir} is not on a volume claim")
+    classes = {o["metadata"]["name"] for o in objs if o["kind"] == "RuntimeClass"}
+    used = {tpl["spec"].get("runtimeClassName") for _, tpl in pods} - {None}
+    if classes - used:
+        report.add(f"RuntimeClass/{sorted(classes - used)[0]}", "(object)", "no pod uses it")
+    for name in used - classes:
+        report.add(f"RuntimeClass/{name}", "(object)", "used by a pod but not defined")
+    sandbox_policy = by.get(("NetworkPolicy", "temper-sandbox"))
+    if sandbox_policy is None or sandbox_policy["spec"].get("egress") != [] \
+            or "Egress" not in sandbox_policy["spec"].get("policyTypes", []):
+        report.add("NetworkPolicy/temper-sandbox", "spec.egress", "the sandbox must have no egress")
+    deny = by.get(("NetworkPolicy", "default-deny"))
+    apps = {tpl["metadata"]["labels"].get("app") for _, tpl in pods} - {None}
+    denied = set()
+    if deny is not None:
+        for expr in deny["spec"]["podSelector"].get("matchExpressions", []):
+            denied |= set(expr.get("values", []))
+    for app in sorted(a for a in apps if a.startswith("temper-") and a not in denied):
+        report.add("NetworkPolicy/default-deny", "spec.podSelector", f"does not cover app={app}")
