@@ -18,6 +18,7 @@ CONFIG = """
 prompts_per_step = 4
 
 [model]
+preset = "tiny"
 dir = "{model_dir}"
 
 [learner]
