@@ -27,6 +27,7 @@ CONFIG = """
 [job]
 prompts_per_step = 2
 [model]
+preset = "tiny"
 dir = "{model}"
 hidden_size = 64
 layers = 2
