@@ -76,7 +76,7 @@ def test_inference_and_learner_tokenize_and_load_identically(smollm2):
     hf = AutoTokenizer.from_pretrained(info.dir)
     for q in ("What is 2+3?", "Give your final answer inside <answer></answer> tags."):
         expected = hf.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-        expected = expected["input_ids"] if isinstance(expected, dict) else list(expected)
+        expected = expected["input_ids"] if hasattr(expected, "keys") else list(expected)
         assert engine.encode(q, apply_chat_template=True) == list(expected)
     # EOS: a completion that stops ends with the model's EOS id (<|im_end|>), which the learner trains on
     results, _ = engine.generate([engine.encode("Say hi.", apply_chat_template=True)],

@@ -17,6 +17,7 @@ from tests.learner.test_service import make_groups
 
 CONFIG = """
 [model]
+preset = "tiny"
 dir = "{model_dir}"
 
 [learner]
