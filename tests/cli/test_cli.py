@@ -33,7 +33,7 @@ def test_global_options_before_or_after_the_subcommand(tmp_path, where):
     p = temper(*opts, "run") if where == "before" else temper("run", *opts)
     assert p.returncode == 1
     assert "unrecognized arguments" not in p.stderr and "Traceback" not in p.stderr
-    assert "[job] has unknown key(s) prompt_per_step" in p.stderr and "prompts_per_step" in p.stderr
+    assert "[job] has unknown key(s) job.prompt_per_step" in p.stderr and "prompts_per_step" in p.stderr
     assert not (tmp_path / "home" / "state.json").exists()  # refused before anything started
 
 
