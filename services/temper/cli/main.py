@@ -130,7 +130,8 @@ def job_spec(table: dict, source: Path, steps: int = 0, seed: int | None = None)
     allowed = [f.name for f in dataclasses.fields(JobSpec)]
     unknown = sorted(set(table) - set(allowed))
     if unknown:
-        raise ValueError(f"{source}: [job] has unknown key(s) {', '.join('job.' + k for k in unknown)}; allowed: {', '.join(allowed)}")
+        named = ", ".join(f"job.{k}" for k in unknown)
+        raise ValueError(f"{source}: [job] has unknown key(s) {named}; allowed: {', '.join(allowed)}")
     try:
         spec = JobSpec.from_dict(table)
         spec.validate()
