@@ -15,7 +15,9 @@ pytestmark = pytest.mark.slow  # starts a broker, replay and monitor
 
 
 def redelivered(i: int) -> common_pb2.RolloutGroup:
-    return scored_group(f"redeliver/s0/p{i}", n=1, rewards=[float(i % 2)])
+    g = scored_group(f"redeliver/s0/p{i}", n=1, rewards=[float(i % 2)])
+    g.job_id = "redeliver"  # the monitor dead-letters a group without its job
+    return g
 
 
 def _rewind(bootstrap: str, group_id: str) -> None:
