@@ -104,7 +104,8 @@ def test_hack_alert_acts_on_the_job_clean_series_does_not(stack):
         assert a.evidence.trajectory_ids and {s.name for s in a.evidence.series} == {"reward", "heldout"}
         cli = [sys.executable, "-m", "temper.cli.main", "--home", str(launcher.home)]
         shown = subprocess.run([*cli, "alerts", "--job", hacked_job, "--detector", "reward_vs_gold", "--json"],
-                               capture_output=True, text=True, timeout=60, check=True)
+                               capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 0, shown.stderr[-2000:]
         assert [x["alert_id"] for x in json.loads(shown.stdout)] == [a.alert_id]
         if policy == "pause":
             assert a.alert_id in job.pause_reason

@@ -75,7 +75,7 @@ def cmd_alerts(args) -> int:
     from temper.v1 import monitor_pb2
 
     with MonitorClient(_running(args, "monitor")) as monitor:
-        alerts = monitor.list_alerts(job_id=args.job, domain=args.domain, detector=args.detector,
+        alerts = monitor.list_alerts(job_id=args.job_id, domain=args.domain, detector=args.detector,
                                      min_severity=monitor_pb2.AlertSeverity.Value(f"ALERT_SEVERITY_{args.severity.upper()}")
                                      if args.severity else 0, limit=args.limit)
     if args.json:
@@ -98,7 +98,7 @@ def cmd_resume(args) -> int:
     from temper.v1 import scheduler_pb2
 
     with SchedulerClient(_running(args, "scheduler")) as scheduler:
-        status = scheduler.resume_job(args.job)
+        status = scheduler.resume_job(args.job_id)
     print(f"job {status.job_id} {scheduler_pb2.JobState.Name(status.state)}")
     return 0
 
@@ -460,13 +460,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=float, default=180.0, help="start-up timeout, seconds")
     run.add_argument("--job-timeout", type=float, default=1800.0)
     al = command("alerts", cmd_alerts, "the monitor's reward-hacking and anomaly alerts (filters: job, domain, ...)")
-    al.add_argument("--job", default="")
+    al.add_argument("--job", dest="job_id", default="", help="a job id (not a shipped job name)")
     al.add_argument("--domain", default="")
     al.add_argument("--detector", default="")
     al.add_argument("--severity", default="", choices=["", "info", "warning", "critical"], help="at least this")
     al.add_argument("--limit", type=int, default=0, help="newest N (default 1000)")
     al.add_argument("--json", action="store_true")
-    command("resume", cmd_resume, "continue a paused job").add_argument("job")
+    command("resume", cmd_resume, "continue a paused job").add_argument("job_id", metavar="JOB")
     command("doctor", cmd_doctor, "check what this machine needs (runsc, broker, model, memory, ports)")
     ev = command("eval", cmd_eval, "held-out greedy accuracy of a model folder, through inference and reward")
     ev.add_argument("--model", required=True, help="a Hugging Face causal-LM folder")
