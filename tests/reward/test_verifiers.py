@@ -184,3 +184,15 @@ def test_code_tasks_carry_valid_suites():
         task = code_problems.make_task(domain, rng, "t")
         suite = parse_suite(task.reference_answer, "f", "python3", 256, 0)
         assert suite.language == "python3" and len(suite.tests) >= 3
+
+
+@pytest.mark.slow  # a subprocess: a fresh interpreter
+def test_gym_families_known_in_a_fresh_process():
+    # The reward service scores rg.* before anything else imports reasoning_gym: its family table
+    # must not depend on an earlier import (it did: every rg task was refused as an unknown family).
+    import subprocess
+    import sys
+
+    code = ("from temper.reward.verifiers.gym import families; import sys; "
+            "sys.exit(0 if 'chain_sum' in families() else 1)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -19,6 +19,7 @@ INSTRUCTION = "Give your final answer inside <answer></answer> tags."
 
 
 def families() -> list[str]:
+    import reasoning_gym  # noqa: F401 - importing the package registers its families in DATASETS
     from reasoning_gym.factory import DATASETS
 
     return sorted(n for n in DATASETS if n != "composite")  # composite needs a list of families to mix

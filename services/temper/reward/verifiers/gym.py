@@ -33,6 +33,7 @@ def _dataset(name: str, seed: int, size: int, config: str):
 
 
 def families() -> list[str]:
+    import reasoning_gym  # noqa: F401 - importing the package registers its families in DATASETS
     from reasoning_gym.factory import DATASETS
 
     return sorted(n for n in DATASETS if n != "composite")
