@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -505,8 +507,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _exit_on_signal(signum, frame):
+    # SIGTERM/SIGHUP unwind like Ctrl-C: every `finally` runs, so a command that started services
+    # (`temper run`, a short-lived sandbox) stops them instead of leaving them orphaned.
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if threading.current_thread() is threading.main_thread():  # (signal handlers live in the main thread only)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, _exit_on_signal)
     if args.log_level:  # every service reads TEMPER_<SERVICE>_LOG_LEVEL
         for name in SERVICES:
             os.environ[f"TEMPER_{name.upper()}_LOG_LEVEL"] = args.log_level
