@@ -260,3 +260,14 @@ def test_an_update_never_splits_a_generation(engine, teacher):
         if serving is not checkpoint:
             engine.apply_weights(checkpoint)
     assert overlapped, "the update never arrived while a generation was in flight"
+
+
+def test_seeded_batch_larger_than_one_prefill_step(engine):
+    # 60 prompts x 100 tokens: more prompt tokens than vLLM schedules in one step (4096). A seeded
+    # request whose prompt vLLM prefilled in chunks failed the whole batch on CPU ("CPU Generator
+    # does not use offset") -- every training step of a real job with a seed.
+    vocab = engine.tokenizer.vocab_size
+    prompts = [[3 + (7 * i + j) % (vocab - 3) for j in range(100)] for i in range(60)]
+    results, _ = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_tokens=4, seed=5))
+    assert [r.prompt_token_ids for r in results] == prompts
+    assert all(len(r.completions) == 4 and all(c.token_ids for c in r.completions) for r in results)

@@ -52,6 +52,13 @@ class VLLMEngine(Engine):
             kv_cache_memory_bytes=kv_cache_memory_bytes, disable_log_stats=True)
         if max_model_len:
             args["max_model_len"] = max_model_len
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            # A prompt prefilled in chunks discards its sampled token, and rewinding a seeded request's
+            # generator then fails on CPU ("CPU Generator does not use offset"), failing every request
+            # of the batch. Unchunked, a prompt waits for a step with room for all of it.
+            args["enable_chunked_prefill"] = False
         args.update(engine_args or {})
         self.llm = LLM(**args)
         self.tokenizer = self.llm.get_tokenizer()
