@@ -5,6 +5,8 @@
   temper down               stop everything `up` started
   temper restart SERVICE    stop one service and start it again (--kill: SIGKILL)
   temper run [--job NAME]   up + a job (default: the shipped default job) + report (runs/latest) + down
+  temper run --dry-run      check the job and print its plan (services, model, domains, steps, budget); start nothing
+  temper config show        the resolved configuration of the job and every service, each value's source
   temper eval --model DIR --domains D [D ...]   held-out greedy accuracy of a model folder alone
   temper doctor             check what this machine needs, and say how to fix what is missing
   temper sandbox languages  the languages the sandbox runs, with their aliases (python, py, c++, sh, ...)
@@ -117,48 +119,31 @@ def cmd_restart(args) -> int:
     return 0
 
 
-def job_spec(table: dict, source: Path, steps: int = 0, seed: int | None = None):
-    """The [job] table as a validated JobSpec; a user mistake is a ValueError naming table, key and allowed values."""
-    import dataclasses
+def _plan(args):
+    from temper.cli.plan import make_plan
 
-    from temper.runtime.errors import InvalidArgument
-    from temper.scheduler.core import JobSpec
+    return make_plan(_launcher(args), getattr(args, "steps", 0), getattr(args, "seed", None),
+                     getattr(args, "timeout", 0.0), getattr(args, "job_timeout", 0.0), getattr(args, "runs", "runs"))
 
-    table = dict(table)
-    if steps:
-        table["steps"] = steps
-    if seed is not None:
-        table["seed"] = seed
-    allowed = [f.name for f in dataclasses.fields(JobSpec)]
-    unknown = sorted(set(table) - set(allowed))
-    if unknown:
-        named = ", ".join(f"job.{k}" for k in unknown)
-        raise ValueError(f"{source}: [job] has unknown key(s) {named}; allowed: {', '.join(allowed)}")
-    try:
-        spec = JobSpec.from_dict(table)
-        spec.validate()
-    except InvalidArgument as e:
-        raise ValueError(f"{source}: [job] {e}") from None
-    return spec
+
+def cmd_config_show(args) -> int:
+    from temper.cli.plan import render_config
+
+    print(render_config(_plan(args)), end="")
+    return 0
 
 
 def cmd_run(args) -> int:
     from temper.cli.job import follow_job, write_report
     from temper.client.sdk import LearnerClient
-    from temper.models import resolve_model
 
-    launcher = _launcher(args)
-    config = launcher.config()
-    spec = job_spec(config.get("job", {}), launcher.config_path, args.steps, args.seed)
-    # refused before anything starts: held-out sets that overlap training, a model the job cannot use
-    spec.eval_sets()
-    model = resolve_model(config.get("model"), home=launcher.home, build=False)
-    if spec.chat_template and model.preset != "tiny":
-        from temper.runtime.errors import require
+    plan = _plan(args)  # every check of the run, before anything starts (the same for --dry-run)
+    if args.dry_run:
+        from temper.cli.plan import render_plan
 
-        require(model.has_chat_template, "job.chat_template", f"the model {model.dir} has no chat template")
-    elif spec.chat_template:
-        raise ValueError("job.chat_template: the tiny recipe has no chat template")
+        print(render_plan(plan))
+        return 0
+    launcher, config, spec, model = _launcher(args), plan.table, plan.spec, plan.model
     out = (Path(args.runs) / time.strftime("%Y%m%d-%H%M%S")).resolve()
     t0 = time.monotonic()
     print(f"starting Temper ({', '.join(SERVICES)}) with {model.dir} ...", flush=True)
@@ -461,6 +446,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--runs", default="runs", help="reports go to RUNS/<time>/ and RUNS/latest")
     run.add_argument("--timeout", type=float, default=180.0, help="start-up timeout, seconds")
     run.add_argument("--job-timeout", type=float, default=1800.0)
+    run.add_argument("--dry-run", action="store_true", help="check everything and print the plan (services and "
+                     "their start waves, model, domains, steps, eval, budget); start nothing")
+    cf = sub.add_parser("config", help="the configuration a run resolves to", parents=[common])
+    cfsub = cf.add_subparsers(dest="config_command", required=True)
+    show = command("show", cmd_config_show, "every service's and the job's resolved configuration as TOML, each "
+                   "value's source in a comment (default, file, env TEMPER_<SERVICE>_<FIELD>, flags)", into=cfsub)
+    show.add_argument("--job", default=None, help="a shipped job by name (" + ", ".join(_job_names()) + ")")
+    show.add_argument("--steps", type=int, default=0, help="as `temper run --steps`")
+    show.add_argument("--seed", type=int, default=None, help="as `temper run --seed`")
     al = command("alerts", cmd_alerts, "the monitor's reward-hacking and anomaly alerts (filters: job, domain, ...)")
     al.add_argument("--job", dest="job_id", default="", help="a job id (not a shipped job name)")
     al.add_argument("--domain", default="")

@@ -17,11 +17,12 @@ in, so the launcher hard-codes nothing per service:
 from __future__ import annotations
 
 import argparse
+import difflib
 import tomllib
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, CliSettingsSource, InitSettingsSource, SettingsConfigDict
 
 T = TypeVar("T", bound="ServiceConfig")
@@ -79,8 +80,8 @@ def wiring(cls: type[ServiceConfig]) -> dict[str, dict]:
     return out
 
 
-def load_config(cls: type[T], argv: list[str] | None = None) -> T:
-    """Build ``cls`` from ``--config FILE`` (its ``[cls.section]`` table), env and flags."""
+def _split(cls: type[ServiceConfig], argv: list[str] | None) -> tuple[dict[str, Any], list[str]]:
+    """(the ``[cls.section]`` table of ``--config FILE``, the other arguments)."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", type=Path)
     known, rest = pre.parse_known_args(argv or [])
@@ -88,6 +89,17 @@ def load_config(cls: type[T], argv: list[str] | None = None) -> T:
     if known.config is not None:
         with open(known.config, "rb") as f:
             table = tomllib.load(f).get(cls.section, {})
+    return table, rest
+
+
+def env_name(cls: type[ServiceConfig], field: str) -> str:
+    """The environment variable of ``field``: ``TEMPER_<SECTION>_<FIELD>``."""
+    return f"TEMPER_{cls.section.upper()}_{field.upper()}"
+
+
+def load_config(cls: type[T], argv: list[str] | None = None) -> T:
+    """Build ``cls`` from ``--config FILE`` (its ``[cls.section]`` table), env and flags."""
+    table, rest = _split(cls, argv)
     env_prefix = f"TEMPER_{cls.section.upper()}_"
     bound = type(cls.__name__, (cls,), {
         "_toml_values": table,
@@ -97,3 +109,50 @@ def load_config(cls: type[T], argv: list[str] | None = None) -> T:
                             cli_prog_name=f"temper-{cls.section}")
     values = bound(_cli_settings_source=cli(args=rest))
     return cls.model_validate(values.model_dump())
+
+
+def field_sources(cls: type[ServiceConfig], argv: list[str] | None = None,
+                  environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Where ``load_config(cls, argv)`` takes each field's value from, by the same priority:
+    ``"flag --name"``, ``"env TEMPER_<SECTION>_<FIELD>"``, ``"file"`` (the ``[section]`` table) or ``"default"``."""
+    import os
+
+    table, rest = _split(cls, argv)
+    flags = {a.split("=", 1)[0] for a in rest if a.startswith("--")}
+    env = {k.upper() for k in (os.environ if environ is None else environ)}
+    out = {}
+    for name in cls.model_fields:
+        flag = "--" + name.replace("_", "-")
+        if flag in flags:
+            out[name] = f"flag {flag}"
+        elif env_name(cls, name) in env:
+            out[name] = f"env {env_name(cls, name)}"
+        elif name in table:
+            out[name] = "file"
+        else:
+            out[name] = "default"
+    return out
+
+
+def describe_errors(cls: type[ServiceConfig], error: ValidationError, argv: list[str] | None = None) -> list[str]:
+    """One line per error of ``error``: ``[section] key: what is wrong (got VALUE; from SOURCE)``, naming the
+    allowed keys for an unknown one; the source is the environment variable or flag when one set it."""
+    sources = field_sources(cls, argv)
+    lines = []
+    for err in error.errors():
+        loc = ".".join(str(part) for part in err["loc"])
+        top = str(err["loc"][0]) if err["loc"] else ""
+        if err["type"] == "extra_forbidden":
+            known = sorted(cls.model_fields) if len(err["loc"]) == 1 else []
+            close = difflib.get_close_matches(str(err["loc"][-1]), known, n=1)
+            what = "unknown key" + (f" (did you mean {close[0]}?)" if close else "") \
+                + (f"; known: {', '.join(known)}" if known else "")
+        else:
+            what = err["msg"].removeprefix("Value error, ")
+            if "input" in err and not isinstance(err["input"], dict):
+                what += f" (got {err['input']!r})"
+        source = sources.get(top, "")
+        if source.startswith(("env", "flag")):
+            what += f" [from {source}]"
+        lines.append(f"[{cls.section}] {loc or '(table)'}: {what}")
+    return lines

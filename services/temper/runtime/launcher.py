@@ -104,6 +104,20 @@ def dependencies(service: str) -> set[str]:
     return {w["address_of"] for w in wiring(config_class(service)).values() if "address_of" in w}
 
 
+def waves(names: list[str]) -> list[list[str]]:
+    """The start order of ``names``: each wave holds every service whose needed addresses (of services in
+    ``names``) are known from the waves before it; each wave in ``SERVICES`` order."""
+    pending, started, out = [n for n in SERVICES if n in names], set(), []
+    while pending:
+        wave = [n for n in pending if all(d in started or d not in names for d in dependencies(n))]
+        if not wave:
+            raise RuntimeError(f"circular address_of dependencies among {pending}")
+        out.append(wave)
+        started.update(wave)
+        pending = [n for n in pending if n not in wave]
+    return out
+
+
 def _set_flag(args: list[str], flag: str, value: str) -> list[str]:
     """``args`` with ``flag``'s value replaced (or appended)."""
     args = list(args)
@@ -150,9 +164,8 @@ class Launcher:
         if state and any(pid_alive(p.pid) for p in [*state.services.values(), *([state.broker] if state.broker else [])]):
             raise RuntimeError(f"Temper is already up in {self.home} (run `temper down` first)")
         cfg = self.config()
-        wired = {n: wiring(config_class(n)) for n in names}
         # the model is resolved (the tiny recipe built) before anything starts, and only if a service loads it
-        needs_model = any(w.get("model") for fields in wired.values() for w in fields.values())
+        needs_model = any(w.get("model") for n in names for w in wiring(config_class(n)).values())
         model_dir = self._model_dir(cfg) if needs_model else None
         logs = self.home / "logs"
         logs.mkdir(parents=True, exist_ok=True)
@@ -164,18 +177,12 @@ class Launcher:
             self._save(state)
             from temper.runtime.kafka import ensure_topics
             ensure_topics(state.kafka_bootstrap)
-            pending = list(names)
-            while pending:
-                # a wave: every service whose needed addresses (of services being started) are known
-                wave = [n for n in pending if all(d in state.services or d not in names for d in dependencies(n))]
-                if not wave:
-                    raise RuntimeError(f"circular address_of dependencies among {pending}")
+            for wave in waves(names):
                 for name in wave:
-                    state.services[name] = self._start(self._proc(name, wired[name], state, cfg, model_dir, logs))
+                    state.services[name] = self._start(self._proc(name, state, cfg, model_dir, logs))
                     self._save(state)
                 self._wait_all(wave, state, deadline, self._wait_reported)
                 self._save(state)
-                pending = [n for n in pending if n not in wave]
             self._wait_all(names, state, deadline, self._wait_serving)
         except BaseException:
             self.down()
@@ -191,24 +198,32 @@ class Launcher:
         check_service_tables(cfg, model_dir)
         return model_dir
 
-    def _proc(self, name: str, wired: dict[str, dict], state: State, cfg: dict, model_dir: Path | None,
-              logs: Path) -> Proc:
-        """The command line of ``name``: the flags every service shares, then what its config's wiring asks for."""
-        port_file = self.home / "ports" / f"{name}.json"
-        args = [sys.executable, "-m", f"temper.{name}", "--config", str(self.config_path), "--host", "127.0.0.1",
-                "--port", "0", "--metrics-port", "0", "--port-file", str(port_file),
-                "--kafka-bootstrap", state.kafka_bootstrap, "--data-dir", str(self.home / "data" / name),
+    def _proc(self, name: str, state: State, cfg: dict, model_dir: Path | None, logs: Path) -> Proc:
+        args = [sys.executable, "-m", f"temper.{name}",
+                *self.service_flags(name, cfg, model_dir, {n: p.address for n, p in state.services.items()},
+                                    state.kafka_bootstrap)]
+        return Proc(name, 0, "", str(logs / f"{name}.log"), -1, args, str(self.home / "ports" / f"{name}.json"))
+
+    def service_flags(self, name: str, cfg: dict, model_dir: Path | None, addresses: dict[str, str],
+                      kafka_bootstrap: str) -> list[str]:
+        """The arguments ``name`` is started with: the flags every service shares, then what its config's wiring
+        asks for (an address only of a service in ``addresses``; ``--kafka-bootstrap`` only when given)."""
+        logs = self.home / "logs"
+        args = ["--config", str(self.config_path), "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+                "--port-file", str(self.home / "ports" / f"{name}.json"), "--data-dir", str(self.home / "data" / name),
                 "--trace-file", str(logs / f"{name}.spans.jsonl")]
+        if kafka_bootstrap:
+            args += ["--kafka-bootstrap", kafka_bootstrap]
         job = cfg.get("job", {})
-        for field_name, w in wired.items():
+        for field_name, w in wiring(config_class(name)).items():
             flag = "--" + field_name.replace("_", "-")
-            if "address_of" in w and w["address_of"] in state.services:
-                args += [flag, state.services[w["address_of"]].address]
-            elif w.get("model"):
+            if "address_of" in w and w["address_of"] in addresses:
+                args += [flag, addresses[w["address_of"]]]
+            elif w.get("model") and model_dir is not None:
                 args += [flag, str(model_dir)]
             elif "from_job" in w and w["from_job"] in job:
                 args += [flag, str(job[w["from_job"]])]
-        return Proc(name, 0, "", str(logs / f"{name}.log"), -1, args, str(port_file))
+        return args
 
     @staticmethod
     def _start(p: Proc) -> Proc:

@@ -43,7 +43,7 @@ from prometheus_client import start_http_server
 from pydantic import ValidationError
 
 from temper.client.transport import MAX_MESSAGE_BYTES
-from temper.runtime.config import ServiceConfig, load_config
+from temper.runtime.config import ServiceConfig, describe_errors, load_config
 from temper.runtime.logs import setup_logging
 from temper.runtime.rpc import ErrorMappingInterceptor
 from temper.runtime.tracing import setup_tracing, shutdown_tracing
@@ -119,7 +119,8 @@ def run(service_cls: type[Service], argv: list[str] | None = None) -> None:
         config = load_config(service_cls.config_class, argv)
     except ValidationError as e:
         fields = ", ".join(".".join(map(str, err["loc"])) or "config" for err in e.errors())
-        sys.exit(f"{prog}: invalid configuration ({fields}):\n{e}")
+        lines = describe_errors(service_cls.config_class, e, argv)
+        sys.exit(f"{prog}: invalid configuration ({fields}):\n" + "\n".join(lines))
     service = service_cls(config)
     log = setup_logging(service.name, config.log_level)
     setup_tracing(service.name, config.trace_file, config.otlp_endpoint)

@@ -1,0 +1,185 @@
+"""`temper config show` and `temper run --dry-run` as a person types them: what a config resolves to and
+what a run would start, before anything starts; and a bad value refused the same way by all three.
+
+Most tests call the CLI's ``main`` with the argv a shell would pass (no process: the fast tier); the
+last ones run the `temper` command itself.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from temper.cli.main import main
+from temper.cli.plan import toml_table, toml_value
+from temper.learner.config import LearnerConfig
+from temper.runtime.launcher import SERVICES
+
+LOG_LEVEL_ENV = [f"TEMPER_{s.upper()}_LOG_LEVEL" for s in SERVICES]
+
+
+@pytest.fixture
+def temper(capsys, monkeypatch, tmp_path):
+    """``temper(*argv)`` -> (exit code, stdout, stderr), in a private home; the environment is restored."""
+    for name in [*LOG_LEVEL_ENV, "TEMPER_LEARNER_LR"]:  # main sets these for --log-level: restore them after
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TEMPER_HOME", str(tmp_path / "home"))
+
+    def run(*argv: str):
+        code = main(list(argv))
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run
+
+
+def _line(text: str, table: str, key: str) -> str:
+    """The line of ``key`` in ``[table]`` of config show's output."""
+    lines = text.splitlines()
+    start = lines.index(next(line for line in lines if line.split("  #")[0] == f"[{table}]"))
+    for line in lines[start + 1:]:
+        if line.startswith("["):
+            break
+        if line.startswith(f"{key} = "):
+            return line
+    raise AssertionError(f"no {key} in [{table}]")
+
+
+def test_config_show_prints_every_service_and_the_job_as_toml_with_sources(temper, tmp_path):
+    code, out, err = temper("config", "show")
+    assert code == 0, err
+    cfg = tomllib.loads(out)
+    assert list(cfg) == ["job", "model", *SERVICES]
+    assert cfg["job"]["steps"] == 150 and cfg["job"]["eval"]["size"] == 100       # the shipped toy.toml
+    assert cfg["learner"]["lr"] == 0.001 and cfg["inference"]["engine"] == "hf"
+    assert cfg["learner"]["kl_coef"] == LearnerConfig.model_fields["kl_coef"].default  # not in the file
+    assert cfg["learner"]["groups_per_step"] == 16                                     # [job].prompts_per_step
+    assert cfg["model"]["dir"] == str(tmp_path / "home" / "models" / "tiny") == cfg["learner"]["model_dir"]
+    assert cfg["replay"]["tables"]["default"]["sampler"] == "fifo"
+    assert _line(out, "learner", "lr").endswith("# file")
+    assert _line(out, "learner", "kl_coef").endswith("# default")
+    assert _line(out, "learner", "port_file").endswith("# flag (launcher)")
+    assert "launcher at start: the address replay reports" in _line(out, "learner", "replay_address")
+    assert _line(out, "job", "response_prefix").endswith("# default")
+    assert not (tmp_path / "home").exists()  # nothing built, nothing started
+
+
+def test_config_show_environment_flags_and_a_file_of_ones_own(temper, tmp_path, monkeypatch):
+    mine = tmp_path / "my.toml"
+    mine.write_text('[job]\nsteps = 7\ndomains = ["toy.copy"]\n[model]\npreset = "tiny"\nlayers = 1\n'
+                    '[inference]\nengine = "hf"\n[learner]\nlr = 0.01\nepochs = 1\n')
+    monkeypatch.setenv("TEMPER_LEARNER_LR", "5e-4")  # environment over file
+    code, out, err = temper("config", "show", "--config", str(mine), "--seed", "3", "--log-level", "DEBUG")
+    assert code == 0, err
+    cfg = tomllib.loads(out)
+    assert cfg["learner"]["lr"] == 0.0005 and _line(out, "learner", "lr").endswith("# env TEMPER_LEARNER_LR")
+    assert cfg["learner"]["epochs"] == 1 and _line(out, "learner", "epochs").endswith("# file")
+    assert cfg["job"]["steps"] == 7 and cfg["job"]["seed"] == 3 and _line(out, "job", "seed").endswith("# flag --seed")
+    assert cfg["job"]["prompts_per_step"] == 16 and _line(out, "job", "prompts_per_step").endswith("# default")
+    assert cfg["model"]["layers"] == 1 and cfg["model"]["hidden_size"] == 64
+    assert _line(out, "model", "hidden_size").endswith("# default")
+    assert all(cfg[s]["log_level"] == "DEBUG" for s in SERVICES)  # --log-level reaches every service
+    code, out2, _ = temper("--config", str(mine), "config", "show")  # the global option before the subcommand
+    assert code == 0 and tomllib.loads(out2)["job"]["steps"] == 7
+
+
+def test_config_show_names_table_and_key_of_a_bad_value(temper, tmp_path, monkeypatch):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[model]\npreset = "tiny"\n[learner]\nlr = "fast"\npolicy_loss = "ppo"\nkl_coeff = 0.1\n'
+                   '[replay.tables.default]\nsampler = "fifox"\n')
+    monkeypatch.setenv("TEMPER_SANDBOX_MAX_QUEUE", "lots")
+    code, out, err = temper("config", "show", "--config", str(bad))
+    assert code == 1 and out == "" and "Traceback" not in err
+    assert f"temper: {bad}: invalid configuration:" in err
+    assert "[learner] lr: Input should be a valid number" in err and "(got 'fast')" in err
+    assert "[learner] policy_loss: unknown policy loss 'ppo'; known: ['gspo', 'ppo_clip']" in err
+    assert "[learner] kl_coeff: unknown key (did you mean kl_coef?)" in err
+    assert "[replay] tables.default.sampler: Input should be 'fifo', 'lifo', 'uniform' or 'prioritized'" in err
+    assert "[sandbox] max_queue:" in err and "[from env TEMPER_SANDBOX_MAX_QUEUE]" in err
+
+
+def test_dry_run_prints_the_plan_of_the_default_job_and_starts_nothing(temper, tmp_path):
+    code, out, err = temper("run", "--dry-run")
+    assert code == 0, err
+    assert "nothing was started" in out
+    assert "wave 1: inference, sandbox, replay\n" in out
+    assert "wave 2: reward (needs sandbox), learner (needs inference, replay)" in out
+    assert "wave 3: scheduler (needs inference, reward)" in out and "wave 4: monitor (needs scheduler)" in out
+    assert "the tiny preset (hidden_size 64, layers 2, heads 2, seed 0)" in out and "built at start" in out
+    assert "150 steps x 16 prompts x 8 samples (group_size) = 128 samples per step, 19200 in all" in out
+    assert "toy.copy: the family's defaults" in out
+    assert "100 held-out problems per domain (2 domains), seed 1000003" in out
+    assert "start-up timeout 180 s; job timeout 1800 s" in out
+    assert not (tmp_path / "home").exists()
+
+
+def test_dry_run_shows_domain_knobs_eval_and_overrides(temper, tmp_path):
+    job = tmp_path / "job.toml"
+    job.write_text('[job]\nsteps = 40\nprompts_per_step = 4\ngroup_size = 6\ndomains = ["rg.chain_sum", "toy.copy"]\n'
+                   '[job.domain_config."rg.chain_sum"]\nmin_terms = 2\nmax_terms = 3\n'
+                   '[job.eval]\nsize = 10\nevery = 5\nextra_domains = ["toy.next"]\n'
+                   '[model]\npreset = "tiny"\n[learner]\nadvantage = "rloo"\n')
+    code, out, err = temper("run", "--dry-run", "--config", str(job), "--steps", "12", "--job-timeout", "600")
+    assert code == 0, err
+    assert "12 steps x 4 prompts x 6 samples (group_size) = 24 samples per step, 288 in all" in out
+    assert "rg.chain_sum: max_terms = 3, min_terms = 2" in out and "toy.next (eval only)" in out
+    assert "10 held-out problems per domain (3 domains; eval-only: toy.next)" in out and "every 5 policy" in out
+    assert "advantage rloo" in out and "engine vllm" in out  # the service default when [inference] says nothing
+    assert "job timeout 600 s" in out
+
+
+def test_dry_run_of_a_model_folder_describes_it(temper, tmp_path):
+    from temper.models.tiny import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / "my-model")
+    job = tmp_path / "job.toml"
+    job.write_text(f'[job]\nsteps = 2\n[model]\ndir = "{folder}"\n')
+    code, out, err = temper("run", "--dry-run", "--config", str(job))
+    assert code == 0, err
+    assert f"{folder} (a model folder, used as it is): LlamaForCausalLM" in out and "chat template no" in out
+
+
+def test_dry_run_refuses_what_run_refuses(temper, tmp_path):
+    job = tmp_path / "job.toml"
+    job.write_text("[job]\nsteps = 0\n")
+    code, out, err = temper("run", "--dry-run", "--config", str(job))
+    assert code == 1 and "[job] steps: must be in [1," in err and "plan" not in out
+    job.write_text('[job]\nsteps = 2\n[model]\ndir = "/nonexistent/model"\n')
+    code, _, err = temper("run", "--dry-run", "--config", str(job))
+    assert code == 1 and "model.dir: /nonexistent/model is not a folder" in err
+    code, _, err = temper("config", "show", "--job", "toy", "--config", str(job))
+    assert code == 1 and "give --config FILE or --job NAME, not both" in err
+
+
+def test_toml_values_round_trip():
+    values = {"s": 'quote " back \\ tab \t nl \n ü \x7f', "i": -3, "f": 1e-06, "big": 1e300, "inf": math.inf,
+              "b": False, "l": [1, "a", [2.5]], "empty": {}, "inline": {"a.b": 1, "c d": "x"},
+              "nested": {"x": {"y": {"z": 1}, "w": 2}, "v": 0}, "none": None, "dotted.key": "k"}
+    text = "\n".join(toml_table(["svc"], values, {"i": "file"}))
+    back = tomllib.loads(text)["svc"]
+    assert back == {k: v for k, v in values.items() if v is not None}
+    assert "# none is unset" in text and "i = -3  # file" in text
+    assert math.isnan(tomllib.loads(f"x = {toml_value(math.nan)}")["x"])
+
+
+
+
+@pytest.mark.slow
+def test_run_and_dry_run_refuse_a_bad_service_value_alike_before_anything_starts(tmp_path):
+    """`temper run --config bad.toml` as typed: the bad [learner] value is named before any process starts,
+    in the same words as --dry-run."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[job]\nsteps = 3\n[model]\npreset = "tiny"\n[inference]\nengine = "hf"\n[learner]\nlr = "fast"\n')
+    home = tmp_path / "home"
+    runs = [subprocess.run([sys.executable, "-m", "temper.cli.main", "run", *extra, "--config", str(bad),
+                            "--home", str(home)], capture_output=True, text=True, timeout=300)
+            for extra in (["--dry-run"], [])]
+    for p in runs:
+        assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+        assert "[learner] lr: Input should be a valid number" in p.stderr and "(got 'fast')" in p.stderr
+    assert runs[0].stderr == runs[1].stderr
+    assert not home.exists()  # no broker, no service, no model built
