@@ -1,9 +1,9 @@
 """The `temper` command: local stack control and the embedded default job.
 
   temper up [SERVICE ...]   start the broker and services (all by default); returns when healthy
-  temper status             health and address of each process
+  temper status             health, address and restarts of each process
   temper down               stop everything `up` started
-  temper restart SERVICE    stop one service and start it again (--kill: SIGKILL)
+  temper restart SERVICE    stop one service (if it runs) and start it again (--kill: SIGKILL)
   temper run [--job NAME]   up + a job (default: the shipped default job) + report (runs/latest) + down
   temper eval --model DIR --domains D [D ...]   held-out greedy accuracy of a model folder alone
   temper doctor             check what this machine needs, and say how to fix what is missing
@@ -40,7 +40,8 @@ def _launcher(args) -> Launcher:
 
 
 def cmd_up(args) -> int:
-    state = _launcher(args).up(args.services or None, timeout=args.timeout)
+    # supervised by a detached process (temper.runtime.supervisor) that outlives this command
+    state = _launcher(args).up(args.services or None, timeout=args.timeout, supervise="process")
     print(f"broker     {state.kafka_bootstrap}")
     for p in state.services.values():
         print(f"{p.name:<10} {p.address}  pid {p.pid}  SERVING")
@@ -56,7 +57,10 @@ def cmd_status(args) -> int:
         print("nothing is up")
         return 1
     for r in rows:
-        print(f"{r['name']:<10} {r['address']:<21} pid {r['pid']:<8} {r['health']}")
+        line = f"{r['name']:<10} {r['address']:<21} pid {r['pid']:<8} {r['health']:<11}"
+        if "restarts" in r:
+            line += f" restarts {r['restarts']}" + (f" (last: {r['last_exit']})" if r["last_exit"] else "")
+        print(line + (f"\n           {r['failed']}" if r.get("failed") else ""))
     return 0 if all(r["health"] in ("SERVING", "RUNNING") for r in rows) else 1
 
 
@@ -167,7 +171,8 @@ def cmd_run(args) -> int:
               f"{spec.group_size} samples over {', '.join(spec.domains)} (max policy lag {spec.max_policy_lag})",
               flush=True)
         t1 = time.monotonic()
-        followed = follow_job(state, spec, timeout=args.job_timeout)
+        # a service the supervisor gave up on ([launcher] max_restarts, restart = "never") fails the job
+        followed = follow_job(state, spec, timeout=args.job_timeout, check=launcher.raise_if_failed)
         steps = followed.steps
         wall = time.monotonic() - t1
         with LearnerClient(state.services["learner"].address) as learner:
