@@ -423,6 +423,9 @@ class Launcher:
         if state.broker:
             rows.append({"name": "broker", "address": state.broker.address, "pid": state.broker.pid,
                          "health": "RUNNING" if pid_alive(state.broker.pid) else "DEAD"})
+        if state.supervisor_pid:
+            rows.append({"name": "supervisor", "address": "-", "pid": state.supervisor_pid,
+                         "health": "RUNNING" if pid_alive(state.supervisor_pid) else "DEAD"})
         for p in state.services.values():
             if pid_alive(p.pid):
                 health = check_health(p.address)
