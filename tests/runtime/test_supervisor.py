@@ -105,10 +105,14 @@ def test_temper_restart_works_on_a_crashed_service(tmp_path):
 def test_kill_9_of_reward_mid_job_the_job_finishes_every_step(tmp_path):
     """A real job on the tiny model; reward is SIGKILLed at step 3. The supervisor restarts it (status shows it);
     the rollouts it had not committed are redelivered to its successor, so every step still trains on all its
-    groups (with max_policy_lag = 0 a single lost group would stall the job for good)."""
+    groups (with max_policy_lag = 0 a single lost group would stall the job for good).
+
+    The stack runs with [auth] mode = "token" (one job run serves both checks): every service-to-service call
+    of the loop authenticates, the restarted reward included."""
     home, runs = tmp_path / "home", tmp_path / "runs"
     steps = 12
-    config = _config(tmp_path, "backoff_seconds = 0.2", base=jobs.path("toy").read_text())
+    config = _config(tmp_path, 'backoff_seconds = 0.2\n\n[auth]\nmode = "token"',
+                     base=jobs.path("toy").read_text())
     with open(tmp_path / "run.out", "w") as out:
         run = subprocess.Popen([*TEMPER, "--home", str(home), "--config", config, "run", "--steps", str(steps),
                                 "--runs", str(runs)], stdout=out, stderr=subprocess.STDOUT, text=True)
@@ -132,6 +136,7 @@ def test_kill_9_of_reward_mid_job_the_job_finishes_every_step(tmp_path):
     assert [s["policy_version"] for s in summary["steps"]] == list(range(1, steps + 1))
     assert all(s["samples"] == job["prompts_per_step"] * job["group_size"] for s in summary["steps"])
     assert "reward (pid" in (home / "logs" / "supervisor.log").read_text()
+    assert '"auth": "token"' in (home / "logs" / "reward.log").read_text()
 
 
 @pytest.mark.slow

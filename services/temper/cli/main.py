@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from temper.client.transport import AUTH_TOKEN_FILE_ENV
 from temper.runtime.errors import TemperError
 from temper.runtime.launcher import SERVICES, Launcher
 
@@ -516,6 +517,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in SERVICES:
             os.environ[f"TEMPER_{name.upper()}_LOG_LEVEL"] = args.log_level
     try:
+        state = Launcher(home=args.home).load()
+        if state is not None and state.auth_token_file:  # the stack of --home wants its token: the SDK sends it
+            os.environ.setdefault(AUTH_TOKEN_FILE_ENV, state.auth_token_file)
         return args.fn(args)
     except (RuntimeError, TimeoutError, ValueError, FileNotFoundError, TemperError) as e:
         print(f"temper: {e}", file=sys.stderr)

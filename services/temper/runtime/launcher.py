@@ -53,11 +53,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from temper import jobs
+from temper.client.transport import AUTH_TOKEN_FILE_ENV
+from temper.runtime.auth import AuthConfig, write_token
 from temper.runtime.broker import start_broker_on_free_port
 from temper.runtime.config import ServiceConfig, wiring
 from temper.runtime.rpc import check_health
 from temper.runtime.service import read_port_file
 from temper.runtime.supervisor import Exit, RestartPolicy, Supervisor
+
+_UNSET = object()
 
 # every service, in the order `down` reverses (dependencies first); the start order is derived from the configs
 SERVICES = ("inference", "sandbox", "reward", "replay", "monitor", "learner", "scheduler")
@@ -87,6 +91,7 @@ class State:
     services: dict[str, Proc] = field(default_factory=dict)
     stopping: bool = False      # `down` has begun: nothing is restarted any more
     supervisor_pid: int = 0     # the detached supervisor `temper up` left (0: none, or a thread of the up process)
+    auth_token_file: str = ""   # [auth] mode = "token": the token's file (its path only; services get it in their env)
 
     @property
     def kafka_bootstrap(self) -> str:
@@ -143,6 +148,7 @@ class Launcher:
         self.state_file = self.home / "state.json"
         self.supervisor: Supervisor | None = None
         self._children: dict[int, subprocess.Popen] = {}
+        self._own_env: str | None | object = _UNSET  # $TEMPER_AUTH_TOKEN_FILE before up set it
 
     # -- state -----------------------------------------------------------------------------
     def load(self) -> State | None:
@@ -152,7 +158,8 @@ class Launcher:
         broker = Proc(**raw["broker"]) if raw.get("broker") else None
         return State(home=raw["home"], config=raw["config"], broker=broker,
                      services={k: Proc(**v) for k, v in raw.get("services", {}).items()},
-                     stopping=raw.get("stopping", False), supervisor_pid=raw.get("supervisor_pid", 0))
+                     stopping=raw.get("stopping", False), supervisor_pid=raw.get("supervisor_pid", 0),
+                     auth_token_file=raw.get("auth_token_file", ""))
 
     def _save(self, state: State) -> None:
         with self._locked(self.home / "state.lock"):
@@ -214,6 +221,7 @@ class Launcher:
             raise RuntimeError(f"Temper is already up in {self.home} (run `temper down` first)")
         cfg = self.config()
         policy = RestartPolicy.from_config(cfg, self.config_path)
+        auth = AuthConfig.from_config(cfg, self.config_path)
         wired = {n: wiring(config_class(n)) for n in names}
         # the model is resolved (the tiny recipe built) before anything starts, and only if a service loads it
         needs_model = any(w.get("model") for fields in wired.values() for w in fields.values())
@@ -221,6 +229,11 @@ class Launcher:
         logs = self.home / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         state = State(home=str(self.home), config=str(self.config_path))
+        if auth.mode == "token":
+            state.auth_token_file = str(write_token(self.home))
+            # this process's own calls (temper run follows the job through the SDK) carry it too
+            self._own_env = os.environ.get(AUTH_TOKEN_FILE_ENV)
+            os.environ[AUTH_TOKEN_FILE_ENV] = state.auth_token_file
         deadline = time.monotonic() + timeout
         try:
             proc, port = start_broker_on_free_port(logs / "broker.log")
@@ -235,7 +248,8 @@ class Launcher:
                 if not wave:
                     raise RuntimeError(f"circular address_of dependencies among {pending}")
                 for name in wave:
-                    state.services[name] = self._start(self._proc(name, wired[name], state, cfg, model_dir, logs))
+                    state.services[name] = self._start(self._proc(name, wired[name], state, cfg, model_dir, logs),
+                                                       state.auth_token_file)
                     self._save(state)
                 self._wait_all(wave, state, deadline, self._wait_reported)
                 self._save(state)
@@ -255,7 +269,7 @@ class Launcher:
         with open(logs / "supervisor.log", "ab") as log:
             proc = subprocess.Popen([sys.executable, "-m", "temper.runtime.supervisor", "--home", str(self.home)],
                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, env=_service_env())
+                                    start_new_session=True, env=_service_env(""))
         return proc.pid
 
     def _model_dir(self, cfg: dict) -> Path:
@@ -286,12 +300,12 @@ class Launcher:
                 args += [flag, str(job[w["from_job"]])]
         return Proc(name, 0, "", str(logs / f"{name}.log"), -1, args, str(port_file))
 
-    def _start(self, p: Proc) -> Proc:
+    def _start(self, p: Proc, auth_token_file: str) -> Proc:
         if p.port_file:  # a report left by an earlier process must not be taken for this one's
             Path(p.port_file).unlink(missing_ok=True)
         with open(p.log, "ab") as log:
             proc = subprocess.Popen(p.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, env=_service_env())
+                                    start_new_session=True, env=_service_env(auth_token_file))
         # kept: a dropped Popen of a live child is reaped by the next Popen's clean-up, status lost
         self._children[proc.pid] = proc
         p.pid, p.started_at = proc.pid, time.time()
@@ -376,7 +390,7 @@ class Launcher:
         p.args = _set_flag(_set_flag(p.args, "--port", p.address.rsplit(":", 1)[1]), "--metrics-port",
                            str(p.metrics_port))
         p.stopped, p.failed = False, ""
-        self._start(p)
+        self._start(p, state.auth_token_file)
         self._save_service(p)
         state.services[name] = p
         deadline = time.monotonic() + timeout
@@ -456,6 +470,11 @@ class Launcher:
         stopped = _terminate(procs, grace) + (_terminate([state.broker], 5.0) if state.broker else [])
         for proc in self._children.values():
             proc.poll()  # reaped
+        if self._own_env is not _UNSET:  # this process's SDK calls go back to what they were
+            os.environ.pop(AUTH_TOKEN_FILE_ENV, None)
+            if self._own_env is not None:
+                os.environ[AUTH_TOKEN_FILE_ENV] = self._own_env
+            self._own_env = _UNSET
         self.state_file.unlink(missing_ok=True)
         return stopped
 
@@ -476,8 +495,12 @@ def _terminate(procs: list[Proc], grace: float) -> list[str]:
     return [p.name for p in live]
 
 
-def _service_env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+def _service_env(auth_token_file: str) -> dict[str, str]:
+    """A child's environment: ours, with the auth token's file when the stack has one (and never another's)."""
+    env = {k: v for k, v in os.environ.items() if k != AUTH_TOKEN_FILE_ENV}
+    if auth_token_file:
+        env[AUTH_TOKEN_FILE_ENV] = auth_token_file
+    return {**env, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
             "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 
 
