@@ -35,6 +35,17 @@ def test_the_token_is_never_in_a_repr():
     assert "s3cret" not in repr(BearerToken("s3cret")) + repr(TokenAuthInterceptor("s3cret"))
 
 
+def test_a_sandbox_bind_that_holds_the_token_file_is_named(tmp_path, monkeypatch):
+    from temper.runtime.auth import binds_exposing_token, write_token
+
+    token_file = write_token(tmp_path / "home")
+    monkeypatch.setenv(AUTH_TOKEN_FILE_ENV, str(token_file))
+    assert binds_exposing_token(["/usr", str(tmp_path)]) == [str(tmp_path)]
+    assert binds_exposing_token(["/usr", str(tmp_path / "other")]) == []
+    monkeypatch.delenv(AUTH_TOKEN_FILE_ENV)
+    assert binds_exposing_token([str(tmp_path)]) == []
+
+
 @pytest.mark.slow
 def test_replay_refuses_calls_without_or_with_a_wrong_token(tmp_path):
     home = tmp_path / "home"

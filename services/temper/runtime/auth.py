@@ -12,7 +12,8 @@ The embedded launcher makes the token (``write_token``: 32 random bytes, ``<home
 mode 0600 in a 0700 folder) and hands its *path* to the services in their environment: never the
 token on a command line, in the state file or in a log. The sandbox gives sandboxed programs an
 environment of its own (PATH, HOME, TMPDIR, the language's variables) and a root without the
-home folder, so a program under test sees neither the variable nor the file. In Kubernetes the
+home folder, so a program under test sees neither the variable nor the file (a ``[sandbox] binds``
+entry that would show it the file stops the sandbox at start-up). In Kubernetes the
 same variable names a file mounted from a Secret.
 
 The token travels in plaintext metadata: fine on loopback (the embedded mode), not across an
@@ -72,6 +73,15 @@ def server_token() -> str:
     if os.environ.get(AUTH_TOKEN_FILE_ENV) and not token:
         raise RuntimeError(f"{AUTH_TOKEN_FILE_ENV} names an empty file")
     return token
+
+
+def binds_exposing_token(binds: list[str] | tuple[str, ...]) -> list[str]:
+    """The host folders among ``binds`` (the sandbox's read-only binds) that hold this process's token file."""
+    path = os.environ.get(AUTH_TOKEN_FILE_ENV, "")
+    if not path:
+        return []
+    token = Path(path).resolve()
+    return [b for b in binds if token.is_relative_to(Path(b).resolve())]
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
