@@ -322,6 +322,12 @@ class Launcher:
             return None
         return Exit(signal=-code) if code < 0 else Exit(code=code)
 
+    def reap(self) -> None:
+        """Reap every child of this launcher that ended (also ones replaced meanwhile by `temper restart`
+        from another process): no zombies; each one's status stays readable through ``exit_of``."""
+        for proc in list(self._children.values()):
+            proc.poll()
+
     def _service(self, name: str) -> tuple[State, Proc]:
         state = self.load()
         if state is None or name not in state.services:
@@ -468,8 +474,7 @@ class Launcher:
         state = self.load()
         procs = [state.services[n] for n in reversed(SERVICES) if n in state.services]
         stopped = _terminate(procs, grace) + (_terminate([state.broker], 5.0) if state.broker else [])
-        for proc in self._children.values():
-            proc.poll()  # reaped
+        self.reap()
         if self._own_env is not _UNSET:  # this process's SDK calls go back to what they were
             os.environ.pop(AUTH_TOKEN_FILE_ENV, None)
             if self._own_env is not None:

@@ -137,6 +137,7 @@ class Supervisor:
             state = self.launcher.load()
             if state is None or state.stopping:
                 return
+            self.launcher.reap()
             for name, p in state.services.items():
                 if self._stop.is_set():
                     return
