@@ -38,7 +38,7 @@ def test_up_status_down_leaves_nothing(tmp_path):
     up = _temper(tmp_path, "up")
     assert up.returncode == 0, up.stderr
     rows = json.loads(_temper(tmp_path, "status", "--json").stdout)
-    assert {r["name"] for r in rows} == {"broker", *SERVICES}
+    assert {r["name"] for r in rows} == {"broker", "supervisor", *SERVICES}  # supervisor: restarts crashed ones
     assert all(r["health"] in ("SERVING", "RUNNING") for r in rows), rows
     assert _temper(tmp_path, "status").returncode == 0
     again = _temper(tmp_path, "up", check=False)  # a second `up` refuses, and harms nothing
@@ -54,7 +54,7 @@ def test_up_status_down_leaves_nothing(tmp_path):
 def test_up_named_services_only(tmp_path):
     assert _temper(tmp_path, "up", "replay", "reward").returncode == 0
     rows = json.loads(_temper(tmp_path, "status", "--json").stdout)
-    assert {r["name"] for r in rows} == {"broker", "replay", "reward"}
+    assert {r["name"] for r in rows} == {"broker", "supervisor", "replay", "reward"}
     pids = [r["pid"] for r in rows]
     _temper(tmp_path, "down")
     assert not [p for p in pids if pid_alive(p)]

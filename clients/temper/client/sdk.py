@@ -41,11 +41,13 @@ def verdict_name(verdict: int) -> str:
 class _Client:
     stub_class: type
 
-    def __init__(self, address: str, timeout: float = 60.0, channel: grpc.Channel | None = None):
-        """``channel``: an existing channel to ``address`` (e.g. one carrying trace context); it is closed by ``close``."""
+    def __init__(self, address: str, timeout: float = 60.0, channel: grpc.Channel | None = None,
+                 token: str | None = None):
+        """``channel``: an existing channel to ``address`` (e.g. one carrying trace context); it is closed by ``close``.
+        ``token``: the services' shared auth token (default: the file ``$TEMPER_AUTH_TOKEN_FILE`` names, if set)."""
         self.address = address
         self.timeout = timeout
-        self._channel = channel if channel is not None else _channel(address)
+        self._channel = channel if channel is not None else _channel(address, token=token)
         self.stub = self.stub_class(self._channel)
 
     def close(self) -> None:
@@ -213,8 +215,9 @@ def _insert_requests(groups: list[common_pb2.RolloutGroup], table: str, prioriti
 class ReplayClient(_Client):
     stub_class = replay_pb2_grpc.ReplayServiceStub
 
-    def __init__(self, address: str, timeout: float = 60.0, channel: grpc.Channel | None = None):
-        super().__init__(address, timeout, channel)
+    def __init__(self, address: str, timeout: float = 60.0, channel: grpc.Channel | None = None,
+                 token: str | None = None):
+        super().__init__(address, timeout, channel, token)
         # Insert with requests serialized by _insert_requests (bytes on the wire as they are)
         self._insert_raw = self._channel.stream_unary("/temper.v1.ReplayService/Insert",
                                                       request_serializer=bytes,

@@ -46,9 +46,10 @@ def _sample(group: common_pb2.RolloutGroup, t: common_pb2.Trajectory) -> dict:
             "components": {c.name: c.value for c in t.reward.components}}
 
 
-def follow_job(state: State, spec: JobSpec, timeout: float, echo=print) -> Followed:
+def follow_job(state: State, spec: JobSpec, timeout: float, echo=print, check=None) -> Followed:
     """Submit ``spec``; follow the learner's StepMetrics until the job is DONE (every step in, final evaluation
-    taken) or paused; the status carries the job's evaluations."""
+    taken) or paused; the status carries the job's evaluations. ``check()``, called every half second, may
+    raise to end the job (the launcher's ``raise_if_failed``: a service the supervisor gave up on)."""
     consumer = KafkaConsumer(bootstrap_servers=state.kafka_bootstrap, group_id=None, enable_auto_commit=False,
                              fetch_max_wait_ms=100)
     tp, tp_scored = TopicPartition(kafka.METRICS, 0), TopicPartition(kafka.SCORED, 0)
@@ -66,6 +67,8 @@ def follow_job(state: State, spec: JobSpec, timeout: float, echo=print) -> Follo
     bar = tqdm(total=spec.steps, desc="steps", unit="step", dynamic_ncols=True)
     try:
         while True:
+            if check is not None:
+                check()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id}: {len(steps)} of {spec.steps} steps after {timeout:.0f}s")
             for part, records in consumer.poll(timeout_ms=500).items():

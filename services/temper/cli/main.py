@@ -1,9 +1,9 @@
 """The `temper` command: local stack control and the embedded default job.
 
   temper up [SERVICE ...]   start the broker and services (all by default); returns when healthy
-  temper status             health and address of each process
+  temper status             health, address and restarts of each process
   temper down               stop everything `up` started
-  temper restart SERVICE    stop one service and start it again (--kill: SIGKILL)
+  temper restart SERVICE    stop one service (if it runs) and start it again (--kill: SIGKILL)
   temper run [--job NAME]   up + a job (default: the shipped default job) + report (runs/latest) + down
   temper run --dry-run      check the job and print its plan (services, model, domains, steps, budget); start nothing
   temper config show        the resolved configuration of the job and every service, each value's source
@@ -25,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+from temper.client.transport import AUTH_TOKEN_FILE_ENV
 from temper.runtime.errors import TemperError
 from temper.runtime.launcher import SERVICES, Launcher
 
@@ -44,7 +45,8 @@ def _launcher(args) -> Launcher:
 
 
 def cmd_up(args) -> int:
-    state = _launcher(args).up(args.services or None, timeout=args.timeout)
+    # supervised by a detached process (temper.runtime.supervisor) that outlives this command
+    state = _launcher(args).up(args.services or None, timeout=args.timeout, supervise="process")
     print(f"broker     {state.kafka_bootstrap}")
     for p in state.services.values():
         print(f"{p.name:<10} {p.address}  pid {p.pid}  SERVING")
@@ -60,7 +62,10 @@ def cmd_status(args) -> int:
         print("nothing is up")
         return 1
     for r in rows:
-        print(f"{r['name']:<10} {r['address']:<21} pid {r['pid']:<8} {r['health']}")
+        line = f"{r['name']:<10} {r['address']:<21} pid {r['pid']:<8} {r['health']:<11}"
+        if "restarts" in r:
+            line += f" restarts {r['restarts']}" + (f" (last: {r['last_exit']})" if r["last_exit"] else "")
+        print(line + (f"\n           {r['failed']}" if r.get("failed") else ""))
     return 0 if all(r["health"] in ("SERVING", "RUNNING") for r in rows) else 1
 
 
@@ -154,7 +159,8 @@ def cmd_run(args) -> int:
               f"{spec.group_size} samples over {', '.join(spec.domains)} (max policy lag {spec.max_policy_lag})",
               flush=True)
         t1 = time.monotonic()
-        followed = follow_job(state, spec, timeout=args.job_timeout)
+        # a service the supervisor gave up on ([launcher] max_restarts, restart = "never") fails the job
+        followed = follow_job(state, spec, timeout=args.job_timeout, check=launcher.raise_if_failed)
         steps = followed.steps
         wall = time.monotonic() - t1
         with LearnerClient(state.services["learner"].address) as learner:
@@ -516,6 +522,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in SERVICES:
             os.environ[f"TEMPER_{name.upper()}_LOG_LEVEL"] = args.log_level
     try:
+        state = Launcher(home=args.home).load()
+        if state is not None and state.auth_token_file:  # the stack of --home wants its token: the SDK sends it
+            os.environ.setdefault(AUTH_TOKEN_FILE_ENV, state.auth_token_file)
         return args.fn(args)
     except (RuntimeError, TimeoutError, ValueError, FileNotFoundError, TemperError) as e:
         print(f"temper: {e}", file=sys.stderr)

@@ -15,12 +15,19 @@ address it needs (and that is being started) has reported its address; then the 
 for every one to be SERVING. A service that needs an address of a service not being started
 keeps its config's value.
 
-Restart (``temper restart``, ``start_service``): the service is started again on the port it
-had (and the same metrics port), passed explicitly. The port was the service's own and is free
+Restart (``temper restart``, ``start_service``, and the supervisor after a crash,
+``temper.runtime.supervisor``): the service is started again on the port it had (and the same
+metrics port), passed explicitly. The port was the service's own and is free
 once the process is gone, and the dependents keep the address they were given, so nothing else
 has to be restarted or told. If another process took the port in the meantime, the service
 exits with "cannot bind" and the restart fails with its log: a loud failure, never a silent
 re-wiring.
+
+Concurrency: the state file may be written by the process that ran ``up`` (its supervisor), by
+a detached supervisor, and by ``temper restart`` in another terminal. A write replaces one
+service's entry under ``<home>/state.lock`` (never the whole file from a stale copy), and every
+stop or start of a service holds ``<home>/locks/<service>.lock``, so a deliberate stop and a
+supervisor's restart never interleave.
 
 The broker (Tansu) cannot bind port 0 and report it, so its port is picked free just before it
 starts; if another process takes it first, Tansu's "address in use" error is recognised in its
@@ -29,23 +36,32 @@ log and a new port is picked (``broker.start_broker_on_free_port``).
 
 from __future__ import annotations
 
+import fcntl
 import importlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import tomllib
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from temper import jobs
+from temper.client.transport import AUTH_TOKEN_FILE_ENV
+from temper.runtime.auth import AuthConfig, write_token
 from temper.runtime.broker import start_broker_on_free_port
 from temper.runtime.config import ServiceConfig, wiring
 from temper.runtime.rpc import check_health
 from temper.runtime.service import read_port_file
+from temper.runtime.supervisor import Exit, RestartPolicy, Supervisor
+
+_UNSET = object()
 
 # every service, in the order `down` reverses (dependencies first); the start order is derived from the configs
 SERVICES = ("inference", "sandbox", "reward", "replay", "monitor", "learner", "scheduler")
@@ -60,6 +76,11 @@ class Proc:
     metrics_port: int = -1
     args: list[str] = field(default_factory=list)
     port_file: str = ""
+    started_at: float = 0.0     # wall-clock time of the last start
+    restarts: int = 0           # starts by the supervisor after a crash (as a pod's RESTARTS)
+    last_exit: str = ""         # how the process before the last restart ended
+    stopped: bool = False       # stopped on purpose (stop_service): the supervisor leaves it alone
+    failed: str = ""            # the supervisor gave up on it: why
 
 
 @dataclass
@@ -68,6 +89,9 @@ class State:
     config: str
     broker: Proc | None = None
     services: dict[str, Proc] = field(default_factory=dict)
+    stopping: bool = False      # `down` has begun: nothing is restarted any more
+    supervisor_pid: int = 0     # the detached supervisor `temper up` left (0: none, or a thread of the up process)
+    auth_token_file: str = ""   # [auth] mode = "token": the token's file (its path only; services get it in their env)
 
     @property
     def kafka_bootstrap(self) -> str:
@@ -75,16 +99,19 @@ class State:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs; a zombie (dead, not yet reaped by its parent, whoever that is) counts as gone.
+
+    Never reaps: the supervisor reaps its children and wants their exit status."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    try:  # a zombie child of ours counts as gone
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        return done == 0
-    except ChildProcessError:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
         return True
 
 
@@ -133,6 +160,9 @@ class Launcher:
         self.home = Path(home).resolve()
         self.config_path = Path(config).resolve() if config else jobs.path()
         self.state_file = self.home / "state.json"
+        self.supervisor: Supervisor | None = None
+        self._children: dict[int, subprocess.Popen] = {}
+        self._own_env: str | None | object = _UNSET  # $TEMPER_AUTH_TOKEN_FILE before up set it
 
     # -- state -----------------------------------------------------------------------------
     def load(self) -> State | None:
@@ -141,20 +171,60 @@ class Launcher:
         raw = json.loads(self.state_file.read_text())
         broker = Proc(**raw["broker"]) if raw.get("broker") else None
         return State(home=raw["home"], config=raw["config"], broker=broker,
-                     services={k: Proc(**v) for k, v in raw.get("services", {}).items()})
+                     services={k: Proc(**v) for k, v in raw.get("services", {}).items()},
+                     stopping=raw.get("stopping", False), supervisor_pid=raw.get("supervisor_pid", 0),
+                     auth_token_file=raw.get("auth_token_file", ""))
 
     def _save(self, state: State) -> None:
+        with self._locked(self.home / "state.lock"):
+            self._write(state)
+
+    def _write(self, state: State) -> None:
         self.home.mkdir(parents=True, exist_ok=True)
-        tmp = self.state_file.with_suffix(".tmp")
+        tmp = self.state_file.with_name(f".state.{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_text(json.dumps(asdict(state), indent=2))
         tmp.replace(self.state_file)
+
+    def _update(self, change) -> State | None:
+        """``change(state)`` applied to the state file as it is now, under its lock; None if nothing is up."""
+        with self._locked(self.home / "state.lock"):
+            state = self.load()
+            if state is not None:
+                change(state)
+                self._write(state)
+            return state
+
+    def _save_service(self, p: Proc) -> None:
+        def put(state: State) -> None:
+            state.services[p.name] = p
+        self._update(put)
+
+    @contextmanager
+    def _locked(self, path: Path) -> Iterator[None]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def _service_lock(self, name: str):
+        return self._locked(self.home / "locks" / f"{name}.lock")
 
     def config(self) -> dict:
         with open(self.config_path, "rb") as f:
             return tomllib.load(f)
 
     # -- up --------------------------------------------------------------------------------
-    def up(self, services: list[str] | None = None, timeout: float = 120.0) -> State:
+    def up(self, services: list[str] | None = None, timeout: float = 120.0, supervise: str = "thread") -> State:
+        """Start the broker and ``services`` (all by default) and wait until every one is SERVING.
+
+        ``supervise``: ``"thread"`` supervises them (``temper.runtime.supervisor``) from a thread of
+        this process until ``down``; ``"process"`` from a detached process that outlives this one
+        (``temper up``); ``"off"``: nothing restarts a crashed service."""
+        if supervise not in ("thread", "process", "off"):
+            raise ValueError(f"supervise: {supervise!r} is not thread, process or off")
         names = list(services or SERVICES)
         unknown = [n for n in names if n not in SERVICES]
         if unknown:
@@ -164,12 +234,19 @@ class Launcher:
         if state and any(pid_alive(p.pid) for p in [*state.services.values(), *([state.broker] if state.broker else [])]):
             raise RuntimeError(f"Temper is already up in {self.home} (run `temper down` first)")
         cfg = self.config()
+        policy = RestartPolicy.from_config(cfg, self.config_path)
+        auth = AuthConfig.from_config(cfg, self.config_path)
         # the model is resolved (the tiny recipe built) before anything starts, and only if a service loads it
         needs_model = any(w.get("model") for n in names for w in wiring(config_class(n)).values())
         model_dir = self._model_dir(cfg) if needs_model else None
         logs = self.home / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         state = State(home=str(self.home), config=str(self.config_path))
+        if auth.mode == "token":
+            state.auth_token_file = str(write_token(self.home))
+            # this process's own calls (temper run follows the job through the SDK) carry it too
+            self._own_env = os.environ.get(AUTH_TOKEN_FILE_ENV)
+            os.environ[AUTH_TOKEN_FILE_ENV] = state.auth_token_file
         deadline = time.monotonic() + timeout
         try:
             proc, port = start_broker_on_free_port(logs / "broker.log")
@@ -179,15 +256,28 @@ class Launcher:
             ensure_topics(state.kafka_bootstrap)
             for wave in waves(names):
                 for name in wave:
-                    state.services[name] = self._start(self._proc(name, state, cfg, model_dir, logs))
+                    state.services[name] = self._start(self._proc(name, state, cfg, model_dir, logs),
+                                                       state.auth_token_file)
                     self._save(state)
                 self._wait_all(wave, state, deadline, self._wait_reported)
                 self._save(state)
             self._wait_all(names, state, deadline, self._wait_serving)
+            if supervise == "thread":
+                self.supervisor = Supervisor(self, policy).start()
+            elif supervise == "process":
+                state.supervisor_pid = self._start_supervisor_process(logs)
+                self._save(state)
         except BaseException:
             self.down()
             raise
         return state
+
+    def _start_supervisor_process(self, logs: Path) -> int:
+        with open(logs / "supervisor.log", "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "temper.runtime.supervisor", "--home", str(self.home)],
+                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, env=_service_env(""))
+        return proc.pid
 
     def _model_dir(self, cfg: dict) -> Path:
         """The one folder every service that declares ``model_dir()`` loads: the job's [model] table resolved
@@ -225,17 +315,33 @@ class Launcher:
                 args += [flag, str(job[w["from_job"]])]
         return args
 
-    @staticmethod
-    def _start(p: Proc) -> Proc:
+    def _start(self, p: Proc, auth_token_file: str) -> Proc:
         if p.port_file:  # a report left by an earlier process must not be taken for this one's
             Path(p.port_file).unlink(missing_ok=True)
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-               "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
         with open(p.log, "ab") as log:
             proc = subprocess.Popen(p.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, env=env)
-        p.pid = proc.pid
+                                    start_new_session=True, env=_service_env(auth_token_file))
+        # kept: a dropped Popen of a live child is reaped by the next Popen's clean-up, status lost
+        self._children[proc.pid] = proc
+        p.pid, p.started_at = proc.pid, time.time()
         return p
+
+    def exit_of(self, pid: int) -> Exit | None:
+        """None while ``pid`` runs; else how it ended (reaped here if it is a child this launcher started;
+        a process another one started is only seen gone, its status unknown)."""
+        proc = self._children.get(pid)
+        if proc is None:
+            return None if pid_alive(pid) else Exit()
+        code = proc.poll()
+        if code is None:
+            return None
+        return Exit(signal=-code) if code < 0 else Exit(code=code)
+
+    def reap(self) -> None:
+        """Reap every child of this launcher that ended (also ones replaced meanwhile by `temper restart`
+        from another process): no zombies; each one's status stays readable through ``exit_of``."""
+        for proc in list(self._children.values()):
+            proc.poll()
 
     def _service(self, name: str) -> tuple[State, Proc]:
         state = self.load()
@@ -244,30 +350,75 @@ class Launcher:
         return state, state.services[name]
 
     def stop_service(self, name: str, kill: bool = False) -> None:
-        """Stop one service (SIGTERM with a grace period, or SIGKILL); it stays in the state file."""
+        """Stop one service (SIGTERM with a grace period, or SIGKILL); it stays in the state file, marked
+        stopped, so no supervisor starts it again until ``start_service``."""
+        with self._service_lock(name):
+            self._stop_locked(name, kill)
+
+    def start_service(self, name: str, timeout: float = 60.0) -> Proc:
+        """Start a stopped or crashed service again, on the port and metrics port it had (module docstring)."""
+        with self._service_lock(name):
+            return self._start_locked(name, timeout)
+
+    def restart(self, name: str, timeout: float = 60.0, kill: bool = False) -> Proc:
+        """Stop ``name`` (if it still runs) and start it again; works on a crashed or given-up service too."""
+        with self._service_lock(name):
+            self._stop_locked(name, kill)
+            return self._start_locked(name, timeout)
+
+    def restart_crashed(self, name: str, pid: int, reason: str, timeout: float = 60.0) -> Proc | None:
+        """The supervisor's restart of ``name`` after process ``pid`` ended (``reason``); None (nothing done)
+        when the stack is stopping, the service was stopped on purpose, or someone already started it again."""
+        with self._service_lock(name):
+            state = self.load()
+            if state is None or state.stopping or name not in state.services:
+                return None
+            p = state.services[name]
+            if p.pid != pid or p.stopped or p.failed or pid_alive(p.pid):
+                return None
+            p.restarts += 1
+            p.last_exit = reason
+            return self._start_locked(name, timeout, p)
+
+    def mark_failed(self, name: str, message: str) -> None:
+        """The supervisor gave up on ``name``: recorded with the reason, for ``status`` and ``raise_if_failed``."""
+        def mark(state: State) -> None:
+            if name in state.services:
+                state.services[name].failed = message
+        self._update(mark)
+
+    def raise_if_failed(self) -> None:
+        """A RuntimeError naming each service the supervisor gave up on, with its log's end (for a job's loop)."""
+        state = self.load()
+        failed = [p for p in (state.services.values() if state else []) if p.failed]
+        if failed:
+            raise RuntimeError("; ".join(f"{p.failed}; its log ({p.log}) ends:\n{_tail(p.log, 15)}" for p in failed))
+
+    def _stop_locked(self, name: str, kill: bool) -> None:
         _, p = self._service(name)
+        p.stopped = True
+        self._save_service(p)
         if kill:
             _signal(p.pid, signal.SIGKILL)
         _terminate([p], grace=15.0)
+        self.exit_of(p.pid)  # reaped, if ours
 
-    def start_service(self, name: str, timeout: float = 60.0) -> Proc:
-        """Start a stopped service again, on the port and metrics port it had (see the module docstring)."""
-        state, p = self._service(name)
+    def _start_locked(self, name: str, timeout: float, p: Proc | None = None) -> Proc:
+        state, recorded = self._service(name)
+        p = p or recorded
         if pid_alive(p.pid):
             raise RuntimeError(f"{name} is still running (pid {p.pid})")
         p.args = _set_flag(_set_flag(p.args, "--port", p.address.rsplit(":", 1)[1]), "--metrics-port",
                            str(p.metrics_port))
-        state.services[name] = self._start(p)
-        self._save(state)
+        p.stopped, p.failed = False, ""
+        self._start(p, state.auth_token_file)
+        self._save_service(p)
+        state.services[name] = p
         deadline = time.monotonic() + timeout
         self._wait_all([name], state, deadline, self._wait_reported)
-        self._save(state)
+        self._save_service(p)
         self._wait_all([name], state, deadline, self._wait_serving)
         return p
-
-    def restart(self, name: str, timeout: float = 60.0, kill: bool = False) -> Proc:
-        self.stop_service(name, kill=kill)
-        return self.start_service(name, timeout)
 
     @staticmethod
     def _wait_all(names: list[str], state: State, deadline: float, wait) -> None:
@@ -307,19 +458,43 @@ class Launcher:
         if state.broker:
             rows.append({"name": "broker", "address": state.broker.address, "pid": state.broker.pid,
                          "health": "RUNNING" if pid_alive(state.broker.pid) else "DEAD"})
+        if state.supervisor_pid:
+            rows.append({"name": "supervisor", "address": "-", "pid": state.supervisor_pid,
+                         "health": "RUNNING" if pid_alive(state.supervisor_pid) else "DEAD"})
         for p in state.services.values():
-            health = check_health(p.address) if pid_alive(p.pid) else "DEAD"
+            if pid_alive(p.pid):
+                health = check_health(p.address)
+            else:
+                health = "FAILED" if p.failed else "STOPPED" if p.stopped else "DEAD"
             rows.append({"name": p.name, "address": p.address, "pid": p.pid, "health": health,
-                         "metrics": f"127.0.0.1:{p.metrics_port}"})
+                         "metrics": f"127.0.0.1:{p.metrics_port}", "restarts": p.restarts,
+                         "last_exit": p.last_exit, "failed": p.failed})
         return rows
 
     def down(self, grace: float = 15.0) -> list[str]:
-        """Stop every recorded process (services in reverse start order, then the broker)."""
-        state = self.load()
+        """Stop every recorded process (supervision first, then services in reverse start order, then the broker)."""
+        def stopping(state: State) -> None:
+            state.stopping = True
+        state = self._update(stopping)
         if state is None:
             return []
+        if self.supervisor is not None:
+            self.supervisor.stop()
+            self.supervisor = None
+        if state.supervisor_pid:
+            _terminate([Proc("supervisor", state.supervisor_pid, "", "")], 10.0)
+        for name in state.services:  # a restart under way finishes (and records its pid) before we read them
+            with self._service_lock(name):
+                pass
+        state = self.load()
         procs = [state.services[n] for n in reversed(SERVICES) if n in state.services]
         stopped = _terminate(procs, grace) + (_terminate([state.broker], 5.0) if state.broker else [])
+        self.reap()
+        if self._own_env is not _UNSET:  # this process's SDK calls go back to what they were
+            os.environ.pop(AUTH_TOKEN_FILE_ENV, None)
+            if self._own_env is not None:
+                os.environ[AUTH_TOKEN_FILE_ENV] = self._own_env
+            self._own_env = _UNSET
         self.state_file.unlink(missing_ok=True)
         return stopped
 
@@ -338,6 +513,15 @@ def _terminate(procs: list[Proc], grace: float) -> list[str]:
     while time.monotonic() < deadline and any(pid_alive(p.pid) for p in live):
         time.sleep(0.05)
     return [p.name for p in live]
+
+
+def _service_env(auth_token_file: str) -> dict[str, str]:
+    """A child's environment: ours, with the auth token's file when the stack has one (and never another's)."""
+    env = {k: v for k, v in os.environ.items() if k != AUTH_TOKEN_FILE_ENV}
+    if auth_token_file:
+        env[AUTH_TOKEN_FILE_ENV] = auth_token_file
+    return {**env, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 
 
 def _signal(pid: int, sig: int) -> None:

@@ -15,6 +15,8 @@ checks of its background work (``checks``). The runtime does the rest, in this o
    deadline. A dependent that must call a dependency while starting waits for the channel
    first (``temper.client.sdk`` clients' ``wait_ready``, as the learner does before resuming);
 4. ``open`` (resources, in order), ``register``, server start, health SERVING;
+   With ``TEMPER_AUTH_TOKEN_FILE`` set, every call but health checks needs that file's token
+   (``temper.runtime.auth``: UNAUTHENTICATED without one, PERMISSION_DENIED with another);
 5. on SIGTERM/SIGINT: health NOT_SERVING, the server stops accepting calls and lets in-flight
    ones finish for ``grace_seconds``, then the ExitStack closes the resources in reverse order.
 
@@ -43,6 +45,7 @@ from prometheus_client import start_http_server
 from pydantic import ValidationError
 
 from temper.client.transport import MAX_MESSAGE_BYTES
+from temper.runtime.auth import TokenAuthInterceptor, server_token
 from temper.runtime.config import ServiceConfig, describe_errors, load_config
 from temper.runtime.logs import setup_logging
 from temper.runtime.rpc import ErrorMappingInterceptor
@@ -100,10 +103,11 @@ def read_port_file(path: str | Path) -> dict | None:
         return None
 
 
-def _server(config: ServiceConfig, name: str) -> grpc.Server:
+def _server(config: ServiceConfig, name: str, token: str = "") -> grpc.Server:
+    auth = [TokenAuthInterceptor(token)] if token else []
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix=name),
-        interceptors=[server_interceptor(), ErrorMappingInterceptor()],
+        interceptors=[*auth, server_interceptor(), ErrorMappingInterceptor()],
         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                  # a second process must never share a port by accident (a restart on the same port)
@@ -128,14 +132,18 @@ def run(service_cls: type[Service], argv: list[str] | None = None) -> None:
     if config.metrics_port >= 0:
         metrics_server, _ = start_http_server(config.metrics_port, addr=config.host)
         metrics_port = metrics_server.server_port
-    server = _server(config, service.name)
+    try:
+        token = server_token()
+    except RuntimeError as e:
+        sys.exit(f"{prog}: {e}")
+    server = _server(config, service.name, token)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     if port == 0:
         sys.exit(f"{prog}: cannot bind {config.host}:{config.port}")
     address = f"{config.host}:{port}"
     if config.port_file:
         write_port_file(config.port_file, address, metrics_port)
-    log.info("bound", address=address, metrics_port=metrics_port)
+    log.info("bound", address=address, metrics_port=metrics_port, auth="token" if token else "none")
 
     def on_signal(signum, _frame):
         log.info("stopping", signal=signal.Signals(signum).name)
