@@ -263,3 +263,38 @@ def test_a_job_draws_at_its_curriculum_level_and_learns_from_the_scored_stream()
     assert all(json.loads(g.task.metadata["rg.config"])["max_terms"] == 3 for g in published[8:])
     (d,) = job.status().domains
     assert d.difficulty == 1 and d.groups == 8 and json.loads(d.difficulty_options)["max_terms"] == 3
+
+
+def test_loss_weights_give_a_lagging_domain_more_gradient_within_bounds():
+    p = policy(["toy.copy", "toy.next", "toy.add"],
+               loss_weighting={"weights": {"toy.add": 2.0}, "lagging": 2.0, "min_weight": 0.5, "max_weight": 3.0})
+    assert p.loss_weight("toy.copy") == 1.0 and p.loss_weight("toy.add") == 2.0  # nothing measured yet
+    feed(p, "toy.copy", 1.0, 4)  # ahead
+    feed(p, "toy.next", 0.25, 4)  # lagging
+    # mean pass rate 0.625: copy 1 + 2 * (0.625 - 1) = 0.25 -> min 0.5; next 1 + 2 * 0.375 = 1.75
+    assert p.loss_weight("toy.copy") == 0.5
+    assert p.loss_weight("toy.next") == pytest.approx(1.75)
+    assert p.loss_weight("toy.add") == 2.0  # not measured: its fixed weight
+    feed(p, "toy.add", 0.0, 4)
+    assert p.loss_weight("toy.add") == 3.0  # 2 * (1 + 2 * 0.4167) = 3.67 -> max 3
+
+
+def test_published_groups_carry_their_domains_loss_weight():
+    spec = JobSpec(job_id="lw", steps=1, prompts_per_step=6, group_size=2, domains=["toy.copy", "toy.next"],
+                   sampling={"loss_weighting": {"weights": {"toy.next": 1.5}}})
+    job, published = scripted_job(spec, lambda task, k: False)
+    job.run_step(0)
+    assert {(g.task.domain, g.loss_weight) for g in published} <= {("toy.copy", 1.0), ("toy.next", 1.5)}
+    assert {d.domain: d.loss_weight for d in job.status().domains} == {"toy.copy": 1.0, "toy.next": 1.5}
+
+
+@pytest.mark.parametrize("table, field", [
+    ({"weights": {"toy.copy": 0}}, "sampling.loss_weighting.weights[toy.copy]"),
+    ({"weights": {"toy.zzz": 1}}, "sampling.loss_weighting.weights[toy.zzz]"),
+    ({"lagging": -1.0}, "sampling.loss_weighting.lagging"),
+    ({"min_weight": 2.0}, "sampling.loss_weighting.min_weight"),
+])
+def test_bad_loss_weighting_is_refused_naming_the_field(table, field):
+    with pytest.raises(InvalidArgument) as e:
+        JobSpec.from_dict({"domains": ["toy.copy"], "sampling": {"loss_weighting": table}}).validate()
+    assert e.value.field == field

@@ -346,12 +346,14 @@ class Job:
         spec = self.spec
         response = self._generate([t.prompt for t in step_tasks], spec, seed)
         trace_context = current_context_carrier()  # the learner step that trains on these groups links here
+        with self._lock:
+            loss_weights = {d: self.sampling.loss_weight(d) for d in {t.domain for t in step_tasks}}
         groups = []
         for i, (task, result) in enumerate(zip(step_tasks, response.results), start=first):
             group_id = f"{spec.job_id}/s{step}/p{i}"
             groups.append(common_pb2.RolloutGroup(
                 group_id=group_id, job_id=spec.job_id, step=step, task=task, created_unix_ms=int(time.time() * 1000),
-                trace_context=trace_context, step_groups=spec.prompts_per_step,
+                trace_context=trace_context, step_groups=spec.prompts_per_step, loss_weight=loss_weights[task.domain],
                 trajectories=[common_pb2.Trajectory(
                     trajectory_id=f"{group_id}/{k}", group_id=group_id,
                     prompt_token_ids=result.prompt_token_ids, completion_token_ids=c.token_ids,

@@ -16,6 +16,9 @@ The ``[job.sampling]`` table turns policies on; they combine into one draw proba
   ``ladders`` entry); after ``window`` groups drawn at the current level, the level rises when their pass
   rate is > ``raise_above`` and falls when it is < ``lower_below``; groups drawn at another level
   (still in flight when it moved) count toward the totals, never toward the level's window;
+- ``loss_weighting``: each group carries a loss weight (``RolloutGroup.loss_weight``, multiplied into the
+  learner's policy loss): fixed per-domain ``weights`` times ``1 + lagging * (mean pass rate - the
+  domain's)``, clipped to [min_weight, max_weight], so lagging domains get more gradient;
 - ``dynamic_sampling`` (DAPO): a group whose rewards are all equal carries no GRPO signal; it is counted
   (``zero_variance_groups``) and not published, and the step draws another prompt instead, up to
   ``max_refill_ratio * prompts_per_step`` extra draws per step (then the step is filled with what it has:
@@ -74,6 +77,14 @@ class DynamicSamplingConfig:
 
 
 @dataclass
+class LossWeightingConfig:
+    weights: dict[str, float] = field(default_factory=dict)  # fixed per-domain loss multipliers (default 1)
+    lagging: float = 0.0  # strength: a domain below the mean recent pass rate gets more gradient
+    min_weight: float = 0.25
+    max_weight: float = 4.0
+
+
+@dataclass
 class SamplingConfig:
     weights: dict[str, float] = field(default_factory=dict)
     pass_threshold: float = 1.0
@@ -81,6 +92,7 @@ class SamplingConfig:
     difficulty_filter: FilterConfig | None = None
     adaptive: AdaptiveConfig | None = None
     dynamic_sampling: DynamicSamplingConfig | None = None
+    loss_weighting: LossWeightingConfig | None = None
 
     @property
     def needs_outcomes(self) -> bool:
@@ -105,7 +117,7 @@ class SamplingConfig:
                 out.pass_threshold = float(value)
             else:
                 sub = {"curriculum": CurriculumConfig, "difficulty_filter": FilterConfig, "adaptive": AdaptiveConfig,
-                       "dynamic_sampling": DynamicSamplingConfig}[key]
+                       "dynamic_sampling": DynamicSamplingConfig, "loss_weighting": LossWeightingConfig}[key]
                 setattr(out, key, _sub_table(sub, value, f))
         return out
 
@@ -159,6 +171,15 @@ class SamplingConfig:
             require(a.window >= 2, f"{p}.window", "must be >= 2 (its halves are compared)")
             require(0 <= a.floor and a.floor * len(domains) <= 1, f"{p}.floor",
                     f"must be >= 0 with floor * {len(domains)} domains <= 1, got {a.floor}")
+        if (lw := self.loss_weighting) is not None:
+            p = f"{prefix}.loss_weighting"
+            for d, w in lw.weights.items():
+                require(d in known, f"{p}.weights[{d}]", f"not a domain of the job (job.domains: {domains})")
+                require(_is_number(w) and math.isfinite(w) and w > 0, f"{p}.weights[{d}]",
+                        f"must be a finite number > 0, got {w!r}")
+            require(math.isfinite(lw.lagging) and lw.lagging >= 0, f"{p}.lagging", f"must be >= 0, got {lw.lagging}")
+            require(0 < lw.min_weight <= 1 <= lw.max_weight and math.isfinite(lw.max_weight), f"{p}.min_weight",
+                    f"need 0 < min_weight <= 1 <= max_weight, got {lw.min_weight}, {lw.max_weight}")
         if (ds := self.dynamic_sampling) is not None:
             require(math.isfinite(ds.max_refill_ratio) and 0 <= ds.max_refill_ratio <= 100,
                     f"{prefix}.dynamic_sampling.max_refill_ratio", f"must be in [0, 100], got {ds.max_refill_ratio}")
@@ -337,6 +358,19 @@ class SamplingPolicy:
         self.stats[domain].filtered_prompts += 1
         return False
 
+    def loss_weight(self, domain: str) -> float:
+        """The multi-task loss weight of a group of ``domain``: its fixed weight times
+        1 + lagging * (mean recent pass rate of the measured domains - its own), clipped to
+        [min_weight, max_weight]; 1 without ``loss_weighting`` (and for a domain not measured yet)."""
+        lw = self.config.loss_weighting
+        if lw is None:
+            return 1.0
+        w = lw.weights.get(domain, 1.0)
+        measured = [self.pass_rate(d) for d in self.domains if self.stats[d].recent_pass]
+        if lw.lagging > 0 and measured and self.stats[domain].recent_pass:
+            w *= 1 + lw.lagging * (sum(measured) / len(measured) - self.pass_rate(domain))
+        return min(lw.max_weight, max(lw.min_weight, w))
+
     # --- learning ------------------------------------------------------------------------------------
 
     def is_informative(self, rewards: list[float]) -> bool:
@@ -436,7 +470,7 @@ class SamplingPolicy:
                         "max_difficulty": len(self.ladders[d]) - 1 if d in self.ladders else 0,
                         "difficulty_options": self.options(d) or {}, "level_changes": s.level_changes,
                         "zero_variance_groups": s.zero_variance_groups, "filtered_prompts": s.filtered_prompts,
-                        "learning_progress": -1.0 if lp is None else lp})
+                        "learning_progress": -1.0 if lp is None else lp, "loss_weight": self.loss_weight(d)})
         return out
 
     def state(self) -> dict:
