@@ -24,7 +24,7 @@ def policy(domains, **sampling):
 def feed(p, domain, pass_fraction, groups, size=8, level=None):
     """``groups`` scored groups of ``domain`` in which ``pass_fraction`` of the trajectories pass."""
     passed = round(pass_fraction * size)
-    for i in range(groups):
+    for _ in range(groups):
         lvl = p.stats[domain].level if level is None else level
         p.observe(domain, lvl, f"{domain} prompt {random.random()}", [1.0] * passed + [0.0] * (size - passed))
 

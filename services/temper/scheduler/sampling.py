@@ -31,7 +31,6 @@ learned state as plain data and ``SamplingPolicy.load_state`` restores it.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import math
 import random
@@ -40,6 +39,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from temper import tasks
 from temper.runtime.errors import InvalidArgument, require
+from temper.scheduler.evaluation import prompt_key
 
 MAX_WINDOW = 100_000
 PROMPT_MEMORY = 100_000  # prompts whose pass rate the difficulty filter remembers (least recently seen forgotten)
@@ -169,7 +169,7 @@ class SamplingConfig:
             p = f"{prefix}.adaptive"
             _window(a.window, f"{p}.window")
             require(a.window >= 2, f"{p}.window", "must be >= 2 (its halves are compared)")
-            require(0 <= a.floor and a.floor * len(domains) <= 1, f"{p}.floor",
+            require(a.floor >= 0 and a.floor * len(domains) <= 1, f"{p}.floor",
                     f"must be >= 0 with floor * {len(domains)} domains <= 1, got {a.floor}")
         if (lw := self.loss_weighting) is not None:
             p = f"{prefix}.loss_weighting"
@@ -246,7 +246,7 @@ def _sub_table(cls, value, prefix: str):
     for key, v in table.items():
         default = getattr(out, key)
         f = f"{prefix}.{key}"
-        if isinstance(default, bool) or isinstance(default, int):
+        if isinstance(default, int):
             require(isinstance(v, int) and not isinstance(v, bool), f, f"must be an integer, got {v!r}")
         elif isinstance(default, float):
             require(_is_number(v), f, f"must be a number, got {v!r}")
@@ -257,10 +257,6 @@ def _sub_table(cls, value, prefix: str):
             require(isinstance(v, dict), f, "must be a table")
         setattr(out, key, v)
     return out
-
-
-def prompt_key(prompt: str) -> str:
-    return hashlib.blake2b(prompt.encode(), digest_size=12).hexdigest()
 
 
 @dataclass
@@ -350,7 +346,7 @@ class SamplingPolicy:
         fc = self.config.difficulty_filter
         if fc is None:
             return True
-        seen = self._prompts.get(prompt_key(prompt))
+        seen = self._prompts.get(prompt_key(prompt).hex())
         if seen is None or seen[0] < fc.prompt_min_groups or seen[2] == 0:
             return True
         if fc.low <= seen[1] / seen[2] <= fc.high:
@@ -392,7 +388,7 @@ class SamplingPolicy:
         if not self.is_informative(rewards):
             s.zero_variance_groups += 1
         if self.config.difficulty_filter is not None:
-            key = prompt_key(prompt)
+            key = prompt_key(prompt).hex()
             seen = self._prompts.pop(key, [0, 0, 0])
             seen[0] += 1
             seen[1] += passed
