@@ -298,3 +298,14 @@ def test_bad_loss_weighting_is_refused_naming_the_field(table, field):
     with pytest.raises(InvalidArgument) as e:
         JobSpec.from_dict({"domains": ["toy.copy"], "sampling": {"loss_weighting": table}}).validate()
     assert e.value.field == field
+
+
+def test_a_jobs_sampling_state_round_trips_through_json():
+    spec = JobSpec(job_id="st", steps=1, prompts_per_step=4, group_size=4, domains=["toy.copy", "toy.next"],
+                   sampling={"adaptive": {"window": 2}, "dynamic_sampling": {"max_refill_ratio": 1.0}})
+    job, _ = scripted_job(spec, lambda task, k: k == 0)
+    job.run_step(0)
+    again, _ = scripted_job(spec, lambda task, k: k == 0)
+    again.load_sampling_state(json.loads(json.dumps(job.sampling_state())))
+    assert again.status().domains == job.status().domains
+    assert again.groups_scored == job.groups_scored == 4
