@@ -28,11 +28,22 @@ floor = {FLOOR}
 """
 
 
-def test_a_job_with_curriculum_and_adaptive_weights_reports_what_it_learned_per_domain(tmp_path):
+DYNAMIC = """
+[job.sampling.dynamic_sampling]
+max_refill_ratio = 1.0
+
+[job.sampling.loss_weighting]
+lagging = 1.0
+
+"""
+
+
+def run_job(tmp_path, sampling: str) -> dict:
+    """`temper run` of the toy job over three domains with ``sampling`` tables; its summary.json."""
     text = jobs.path("toy").read_text()
     for old, new in (("steps = 150", f"steps = {STEPS}"),
                      ('domains = ["toy.copy", "toy.next"]', 'domains = ["toy.copy", "toy.next", "rg.chain_sum"]'),
-                     ("size = 100", "size = 0"), ("[job.eval]", SAMPLING + "[job.eval]")):
+                     ("size = 100", "size = 0"), ("[job.eval]", sampling + "[job.eval]")):
         assert old in text
         text = text.replace(old, new, 1)
     config = tmp_path / "job.toml"
@@ -41,8 +52,11 @@ def test_a_job_with_curriculum_and_adaptive_weights_reports_what_it_learned_per_
                            "--config", str(config), "run", "--runs", str(tmp_path / "runs")],
                           capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "runs" / "latest" / "summary.json").read_text())
-    sampling = summary["sampling"]
+    return json.loads((tmp_path / "runs" / "latest" / "summary.json").read_text())
+
+
+def test_a_job_with_curriculum_and_adaptive_weights_reports_what_it_learned_per_domain(tmp_path):
+    sampling = run_job(tmp_path, SAMPLING)["sampling"]
     by = {d["domain"]: d for d in sampling["domains"]}
     assert list(by) == ["toy.copy", "toy.next", "rg.chain_sum"]
     total = STEPS * 16
@@ -63,3 +77,19 @@ def test_a_job_with_curriculum_and_adaptive_weights_reports_what_it_learned_per_
     assert all(d["weight"] >= FLOOR - 1e-9 for d in by.values())
     assert all(d["learning_progress"] >= 0 for d in by.values())
     assert chain["weight"] <= max(by["toy.copy"]["weight"], by["toy.next"]["weight"])
+
+
+def test_dynamic_sampling_and_loss_weights_in_the_real_loop(tmp_path):
+    summary = run_job(tmp_path, SAMPLING + DYNAMIC)
+    sampling = summary["sampling"]
+    by = {d["domain"]: d for d in sampling["domains"]}
+    # the learner trained every step on a full batch: the scheduler published prompts_per_step groups per step
+    assert len(summary["steps"]) == STEPS and all(s["samples"] == 16 * 8 for s in summary["steps"])
+    # rg.chain_sum is never solved by the tiny model: its groups are all-zero, dropped and replaced
+    dropped = sampling["zero_variance_groups_dropped"]
+    assert dropped > 0 and by["rg.chain_sum"]["zero_variance_groups"] == by["rg.chain_sum"]["groups"] > 0
+    assert sampling["refill_groups"] == dropped  # every dropped group was replaced by a fresh draw...
+    assert sampling["groups_scored"] == STEPS * 16 + dropped  # ...and every scored one is accounted for
+    assert sum(d["groups"] for d in by.values()) == sum(d["drawn"] for d in by.values()) == sampling["groups_scored"]
+    # loss weights: the lagging domain's groups weigh more than the leading one's
+    assert by["rg.chain_sum"]["loss_weight"] >= 1.0 >= min(by["toy.copy"]["loss_weight"], by["toy.next"]["loss_weight"])
