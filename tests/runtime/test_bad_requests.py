@@ -107,6 +107,10 @@ def test_scheduler(stack):
                          ("max_tokens", 0), ("max_policy_lag", -1)]:
         expect(IA, field, c.start_job, scheduler_pb2.JobSpec(**{**ok, field: value}))
     expect(IA, "domains", c.start_job, scheduler_pb2.JobSpec(**ok, domains=["nope"]))
+    expect(IA, "sampling.weights[toy.copy]", c.start_job,
+           scheduler_pb2.JobSpec(**ok, domains=["toy.copy"], sampling='{"weights": {"toy.copy": -1}}'))
+    expect(IA, "sampling.adaptive.floor", c.start_job,
+           scheduler_pb2.JobSpec(**ok, domains=["toy.copy", "toy.next"], sampling='{"adaptive": {"floor": 0.9}}'))
     expect(grpc.StatusCode.NOT_FOUND, "job_id", c.job, "no-such-job")
     expect(grpc.StatusCode.NOT_FOUND, "job_id", c.pause_job, "no-such-job")
     expect(grpc.StatusCode.NOT_FOUND, "job_id", c.resume_job, "no-such-job")

@@ -132,6 +132,14 @@ def eval_summary(evals) -> dict:
     }
 
 
+def sampling_summary(status: scheduler_pb2.JobStatus) -> dict:
+    """What the scheduler learned per domain (counts, pass rates, weights, difficulty) and its dynamic-sampling
+    counters, from the job's status."""
+    return {"groups_scored": status.groups_scored, "zero_variance_groups_dropped": status.zero_variance_groups_dropped,
+            "refill_groups": status.refill_groups, "unfilled_groups": status.unfilled_groups,
+            "domains": [{f.name: getattr(d, f.name) for f in d.DESCRIPTOR.fields} for d in status.domains]}
+
+
 def write_report(out_dir: Path, spec: JobSpec, config: dict, steps: list[common_pb2.StepMetrics],
                  wall_seconds: float, followed: Followed | None = None, extra: dict | None = None) -> Path:
     """Write summary.json, reward_curve.png (and eval_accuracy.png with evaluations) into ``out_dir``;
@@ -169,6 +177,7 @@ def write_report(out_dir: Path, spec: JobSpec, config: dict, steps: list[common_
         summary["pause_reason"] = followed.status.pause_reason
         summary["alerts"] = [MessageToDict(a, preserving_proto_field_name=True) for a in followed.alerts]
         summary["samples"] = {str(k): v for k, v in followed.samples.items()}
+        summary["sampling"] = sampling_summary(followed.status)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([m.step for m in steps], [m.mean_reward for m in steps], label="all", linewidth=2)

@@ -132,6 +132,8 @@ class DroppedGroup:
 def _check_group(g_i: int, group: common_pb2.RolloutGroup) -> None:
     """InvalidArgument naming ``groups[g].trajectories[t].<field>`` unless the group is well formed."""
     require(len(group.trajectories) > 0, f"groups[{g_i}].trajectories", "empty group")
+    require(math.isfinite(group.loss_weight) and group.loss_weight >= 0, f"groups[{g_i}].loss_weight",
+            f"must be finite and >= 0 (0: unset), got {group.loss_weight}")
     for t_i, t in enumerate(group.trajectories):
         field = f"groups[{g_i}].trajectories[{t_i}]"
         require(len(t.completion_token_ids) > 0, f"{field}.completion_token_ids", "empty completion")
@@ -191,8 +193,12 @@ def screen_groups(groups: list[common_pb2.RolloutGroup], max_sequence_tokens: in
 def batch_from_groups(groups: list[common_pb2.RolloutGroup], sample_weights: list[float] | None = None) -> Batch:
     """Scored groups -> Batch; InvalidArgument naming ``groups[g].trajectories[t].<field>`` if bad
     (all or nothing: ``screen_groups`` first to leave bad groups out instead). ``sample_weights``: one
-    loss weight per group (replay's importance weights), or None."""
+    loss weight per group (replay's importance weights), or None; each group's own ``loss_weight`` (the
+    scheduler's multi-task weight; 0: unset) multiplies into it."""
     require(len(groups) > 0, "groups", "empty batch")
+    task_weights = [g.loss_weight if g.loss_weight > 0 else 1.0 for g in groups]
+    if any(w != 1.0 for w in task_weights):
+        sample_weights = [b * w for b, w in zip(sample_weights or [1.0] * len(groups), task_weights)]
     prompts, completions, old, temps, rewards, gidx, versions, domains = [], [], [], [], [], [], [], []
     for g_i, group in enumerate(groups):
         _check_group(g_i, group)

@@ -18,3 +18,5 @@ class SchedulerConfig(ServiceConfig):
     eval_timeout_seconds: float = Field(600.0, description="how long one evaluation's generate call may take")
     publish_timeout_seconds: float = Field(30.0, description="how long a rollout group may wait for the broker's "
                                                              "acknowledgement")
+    consumer_group: str = Field("temper-scheduler", description="Kafka consumer group of the `scored` stream, from "
+                                                                "which a job's sampling policy learns its outcomes")

@@ -14,12 +14,14 @@ in the job's status. The job is DONE after the final evaluation.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import random
 import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from temper import tasks
@@ -34,6 +36,7 @@ from temper.scheduler.evaluation import (
     draw_training_task,
     evaluate,
 )
+from temper.scheduler.sampling import SamplingConfig, SamplingPolicy, resolved_plan
 from temper.v1 import common_pb2, inference_pb2, scheduler_pb2
 
 _log = get_logger(component="scheduler")
@@ -42,7 +45,10 @@ _log = get_logger(component="scheduler")
 @functools.cache
 def known_domains() -> frozenset[str]:
     return frozenset(tasks.domains())
+
+
 MAX_STEPS = 1_000_000
+DIFFICULTY_KEY = "temper.difficulty"  # task metadata: the curriculum level the task was drawn at
 MAX_GROUPS_PER_STEP = 4096
 MAX_GROUP_SIZE = 1024
 
@@ -62,6 +68,7 @@ class JobSpec:
     chat_template: bool = False  # prompts as a user turn of the model's chat template
     eval: EvalConfig = field(default_factory=EvalConfig)
     response_prefix: str = ""  # with chat_template: the prefilled start of every answer (scored with it)
+    sampling: dict = field(default_factory=dict)  # the [job.sampling] table (temper.scheduler.sampling)
 
     @classmethod
     def from_dict(cls, job: dict) -> JobSpec:
@@ -89,9 +96,18 @@ class JobSpec:
                    group_size=p.group_size, domains=list(p.domains) or ["toy.copy", "toy.next"],
                    max_policy_lag=p.max_policy_lag, temperature=p.temperature, max_tokens=p.max_tokens, seed=p.seed,
                    domain_config=config, chat_template=p.chat_template, eval=EvalConfig.from_proto(p.eval),
-                   response_prefix=p.response_prefix)
+                   response_prefix=p.response_prefix, sampling=_json_table(p.sampling, "sampling"))
         spec.validate()
         return spec
+
+    @functools.cached_property
+    def sampling_config(self) -> SamplingConfig:
+        return SamplingConfig.from_dict(self.sampling)
+
+    def sampling_plan(self) -> dict:
+        """The resolved sampling plan as plain data (what a dry run prints); validates the job first."""
+        self.validate()
+        return resolved_plan(self.sampling_config, self.domains, self.domain_config)
 
     @property
     def eval_domains(self) -> list[str]:
@@ -127,6 +143,7 @@ class JobSpec:
         for d, options in self.domain_config.items():
             require(d in used, f"domain_config[{d}]", "configures a domain the job neither trains nor evaluates")
             tasks.check_config(d, options, field=f"domain_config[{d}]")
+        self.sampling_config.validate(self.domains, self.domain_config)
 
     def eval_sets(self) -> EvalSets | None:
         """The held-out sets (None without evaluation), checked disjoint enough from training."""
@@ -144,7 +161,19 @@ class JobSpec:
                                      domain_config={d: json.dumps(c, sort_keys=True)
                                                     for d, c in self.domain_config.items()},
                                      chat_template=self.chat_template, eval=self.eval.to_proto(),
-                                     response_prefix=self.response_prefix)
+                                     response_prefix=self.response_prefix,
+                                     sampling=json.dumps(self.sampling, sort_keys=True) if self.sampling else "")
+
+
+def _json_table(text: str, field_name: str) -> dict:
+    if not text:
+        return {}
+    try:
+        table = json.loads(text)
+    except ValueError as e:
+        raise InvalidArgument(f"not JSON: {e}", field=field_name) from None
+    require(isinstance(table, dict), field_name, "must be a JSON object")
+    return table
 
 
 class Job:
@@ -171,7 +200,15 @@ class Job:
         self.eval_sets = spec.eval_sets()
         require(self.eval_sets is None or (greedy is not None and score is not None), "eval",
                 "this scheduler cannot evaluate (no inference/reward clients)")
+        require(spec.sampling_config.dynamic_sampling is None or score is not None, "sampling.dynamic_sampling",
+                "this scheduler cannot score groups (no reward service address)")
         self._final_eval_wait = final_eval_wait_seconds
+        self.sampling = SamplingPolicy(spec.sampling_config, spec.domains, spec.domain_config)
+        self._lock = threading.Lock()  # the sampling state: drawn on the job's thread, learned on the consumer's
+        self.groups_scored = 0
+        self.zero_variance_dropped = 0
+        self.refill_groups = 0
+        self.unfilled_groups = 0
         self.state = scheduler_pb2.JOB_STATE_RUNNING
         self.steps_done = 0
         self.groups_published = 0
@@ -222,7 +259,10 @@ class Job:
         return scheduler_pb2.JobStatus(job_id=self.spec.job_id, state=self.state, steps_done=self.steps_done,
                                        steps=self.spec.steps, groups_published=self.groups_published, error=self.error,
                                        spec=self.spec.to_proto(), pause_reason=self.pause_reason,
-                                       evals=list(self.evals), eval_draws_skipped=self.draws_skipped)
+                                       evals=list(self.evals), eval_draws_skipped=self.draws_skipped,
+                                       domains=self._domain_status(), groups_scored=self.groups_scored,
+                                       zero_variance_groups_dropped=self.zero_variance_dropped,
+                                       refill_groups=self.refill_groups, unfilled_groups=self.unfilled_groups)
 
     def _run(self) -> None:
         try:
@@ -284,32 +324,123 @@ class Job:
         _log.info("eval", job_id=spec.job_id, phase=phase, policy_version=result.policy_version,
                   accuracy={d: round(a, 3) for d, a in result.accuracy.items()}, seconds=round(result.seconds, 2))
 
-    def run_step(self, step: int) -> None:
+    def _draw_task(self, step: int, i: int) -> common_pb2.Task:
+        """The sampling policy's next domain and difficulty; a prompt the difficulty filter refuses is redrawn."""
         spec = self.spec
+        fc = self.sampling.config.difficulty_filter
+        with self._lock:
+            for _ in range((fc.max_redraws if fc else 0) + 1):
+                domain, level, options = self.sampling.draw(self._rng)
+                task, skipped = draw_training_task(domain, self._rng, f"{spec.job_id}/s{step}/p{i}", options,
+                                                   self.eval_sets)
+                self.draws_skipped += skipped
+                if self.sampling.keep_prompt(domain, task.prompt):
+                    break
+        task.metadata[DIFFICULTY_KEY] = str(level)
+        if spec.response_prefix:
+            task.metadata["response_prefix"] = spec.response_prefix
+        return task
+
+    def _groups(self, step: int, first: int, step_tasks: list[common_pb2.Task], seed: int
+                ) -> list[common_pb2.RolloutGroup]:
+        spec = self.spec
+        response = self._generate([t.prompt for t in step_tasks], spec, seed)
+        trace_context = current_context_carrier()  # the learner step that trains on these groups links here
+        with self._lock:
+            loss_weights = {d: self.sampling.loss_weight(d) for d in {t.domain for t in step_tasks}}
+        groups = []
+        for i, (task, result) in enumerate(zip(step_tasks, response.results), start=first):
+            group_id = f"{spec.job_id}/s{step}/p{i}"
+            groups.append(common_pb2.RolloutGroup(
+                group_id=group_id, job_id=spec.job_id, step=step, task=task, created_unix_ms=int(time.time() * 1000),
+                trace_context=trace_context, step_groups=spec.prompts_per_step, loss_weight=loss_weights[task.domain],
+                trajectories=[common_pb2.Trajectory(
+                    trajectory_id=f"{group_id}/{k}", group_id=group_id,
+                    prompt_token_ids=result.prompt_token_ids, completion_token_ids=c.token_ids,
+                    completion_logprobs=c.logprobs, policy_version=response.policy_version,
+                    completion_text=c.text, finish_reason=c.finish_reason,
+                    sampling_temperature=spec.temperature) for k, c in enumerate(result.completions)]))
+        return groups
+
+    def run_step(self, step: int) -> None:
+        """Draw, generate and publish one step's ``prompts_per_step`` groups. With dynamic sampling each group
+        is scored first (the reward service's Score) and one whose rewards are all equal is left out and
+        replaced by a fresh draw, within the refill budget; what is published then goes to `rollouts` as
+        always (the stream scores it again)."""
+        spec = self.spec
+        n = spec.prompts_per_step
+        ds = self.sampling.config.dynamic_sampling
+        budget = n + (int(ds.max_refill_ratio * n) if ds else 0)
         with self._tracer.start_as_current_span("scheduler.step", attributes={"temper.job_id": spec.job_id,
                                                                                "temper.step": step}):
-            step_tasks = []
-            for i in range(spec.prompts_per_step):
-                domain = self._rng.choice(spec.domains)
-                task, skipped = draw_training_task(domain, self._rng, f"{spec.job_id}/s{step}/p{i}",
-                                                   spec.domain_config.get(domain), self.eval_sets)
-                self.draws_skipped += skipped
-                if spec.response_prefix:
-                    task.metadata["response_prefix"] = spec.response_prefix
-                step_tasks.append(task)
-            # a seed per step: a job's sampling is reproducible given the weights
-            response = self._generate([t.prompt for t in step_tasks], spec, spec.seed * 1_000_003 + step)
-            trace_context = current_context_carrier()  # the learner step that trains on these groups links here
-            for i, (task, result) in enumerate(zip(step_tasks, response.results)):
-                group_id = f"{spec.job_id}/s{step}/p{i}"
-                group = common_pb2.RolloutGroup(
-                    group_id=group_id, job_id=spec.job_id, step=step, task=task, created_unix_ms=int(time.time() * 1000),
-                    trace_context=trace_context, step_groups=len(step_tasks),
-                    trajectories=[common_pb2.Trajectory(
-                        trajectory_id=f"{group_id}/{k}", group_id=group_id,
-                        prompt_token_ids=result.prompt_token_ids, completion_token_ids=c.token_ids,
-                        completion_logprobs=c.logprobs, policy_version=response.policy_version,
-                        completion_text=c.text, finish_reason=c.finish_reason,
-                        sampling_temperature=spec.temperature) for k, c in enumerate(result.completions)])
+            kept: list[common_pb2.RolloutGroup] = []
+            uniform: list[common_pb2.RolloutGroup] = []
+            drawn = 0
+            for round_ in itertools.count():
+                want = min(n - len(kept), budget - drawn)
+                if want <= 0:
+                    break
+                step_tasks = [self._draw_task(step, drawn + j) for j in range(want)]
+                # a seed per step (and refill round): a job's sampling is reproducible given its outcomes
+                seed = spec.seed * 1_000_003 + step if round_ == 0 else (spec.seed * 1_000_003 + step) * 1_000 + round_
+                groups = self._groups(step, drawn, step_tasks, seed)
+                drawn += want
+                if ds is None:
+                    kept = groups
+                    break
+                with ThreadPoolExecutor(min(8, len(groups))) as pool:
+                    scored = list(pool.map(self._score, groups))
+                for group, result in zip(groups, scored):
+                    rewards = self._observe(result)
+                    informative = rewards is None or self.sampling.is_informative(rewards)
+                    (kept if informative else uniform).append(group)
+            if ds is not None:
+                self.refill_groups += drawn - min(drawn, n)
+                short = n - len(kept)
+                kept += uniform[:short]  # the budget ran out: the step is filled with what it has
+                self.unfilled_groups += min(short, len(uniform))
+                self.zero_variance_dropped += len(uniform) - min(short, len(uniform))
+            for group in kept:
+                group.step_groups = len(kept)
                 self._publish(group)
                 self.groups_published += 1
+
+    def _observe(self, group: common_pb2.RolloutGroup) -> list[float] | None:
+        """Learn one scored group's outcome; its OK rewards (None when none is OK: the learner drops it)."""
+        rewards = [t.reward.total for t in group.trajectories if t.reward.status == common_pb2.REWARD_STATUS_OK]
+        if not rewards:
+            return None
+        try:
+            level = int(group.task.metadata.get(DIFFICULTY_KEY, "0"))
+        except ValueError:
+            level = -1  # never counts toward a level's window
+        with self._lock:
+            self.sampling.observe(group.task.domain, level, group.task.prompt, rewards)
+            self.groups_scored += 1
+        return rewards
+
+    def observe_scored(self, group: common_pb2.RolloutGroup) -> None:
+        """A group of this job from the `scored` stream. With dynamic sampling the job scored (and learned)
+        its groups itself before publishing them, so the stream's copy is not counted twice."""
+        if group.job_id == self.spec.job_id and self.sampling.config.dynamic_sampling is None:
+            self._observe(group)
+
+    def sampling_state(self) -> dict:
+        """The job's learned sampling state and counters as plain data (what a checkpoint of the job holds)."""
+        with self._lock:
+            return {"policy": self.sampling.state(), "groups_scored": self.groups_scored,
+                    "zero_variance_dropped": self.zero_variance_dropped, "refill_groups": self.refill_groups,
+                    "unfilled_groups": self.unfilled_groups}
+
+    def load_sampling_state(self, state: dict) -> None:
+        with self._lock:
+            self.sampling.load_state(state.get("policy", {}))
+            for key in ("groups_scored", "zero_variance_dropped", "refill_groups", "unfilled_groups"):
+                setattr(self, key, int(state.get(key, 0)))
+
+    def _domain_status(self) -> list[scheduler_pb2.DomainStatus]:
+        with self._lock:
+            view = self.sampling.domain_view()
+        return [scheduler_pb2.DomainStatus(**{**d, "difficulty_options": json.dumps(d["difficulty_options"],
+                                                                                      sort_keys=True)})
+                for d in view]

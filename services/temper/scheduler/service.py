@@ -12,7 +12,7 @@ from temper.scheduler.config import SchedulerConfig
 from temper.scheduler.core import Job, JobSpec
 from temper.scheduler.evaluation import check_scorable
 from temper.scheduler.servicer import SchedulerServicer
-from temper.v1 import scheduler_pb2, scheduler_pb2_grpc
+from temper.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 
 class SchedulerService(Service[SchedulerConfig]):
@@ -32,6 +32,10 @@ class SchedulerService(Service[SchedulerConfig]):
         stack.callback(self.producer.close)
         self.servicer = SchedulerServicer(self._make_job)
         stack.callback(self.servicer.stop_all)
+        # outcomes: every scored group of a running job reaches its sampling policy (curriculum, weights)
+        self.consumer = kafka.ProtoConsumer(config.kafka_bootstrap, kafka.SCORED, config.consumer_group,
+                                            common_pb2.RolloutGroup, self.servicer.observe_scored).start()
+        stack.callback(self.consumer.stop)
 
     def _make_job(self, spec: JobSpec) -> Job:
         inference, evaluator, reward, config = self.inference, self.evaluator, self.reward, self.config
@@ -51,6 +55,9 @@ class SchedulerService(Service[SchedulerConfig]):
             check_scorable(spec.domains, [d for d in spec.eval_domains if d not in spec.domains], reward.list_domains())
         return Job(spec, generate, publish, inference.policy_version, greedy=greedy if reward else None,
                    score=reward.score if reward else None)
+
+    def checks(self):
+        return [lambda: self.consumer.alive]
 
     def register(self, server) -> list[str]:
         scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(self.servicer, server)

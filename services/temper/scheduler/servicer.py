@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from temper.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, reject_unknown_fields
 from temper.scheduler.core import Job, JobSpec
-from temper.v1 import scheduler_pb2, scheduler_pb2_grpc
+from temper.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
@@ -53,6 +53,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         job = self._job(request.job_id)
         job.resume()
         return scheduler_pb2.ResumeJobResponse(job=job.status())
+
+    def observe_scored(self, group: common_pb2.RolloutGroup) -> None:
+        """A group from the `scored` stream: its job (if this process runs it) learns the outcome."""
+        job = self.jobs.get(group.job_id)
+        if job is not None:
+            job.observe_scored(group)
 
     def stop_all(self) -> None:
         for job in self.jobs.values():

@@ -53,3 +53,9 @@ def make_task(domain: str, rng: random.Random, task_id: str, config: dict | None
             raise InvalidArgument(f"{domain!r} takes no options (only rg.<family> domains do)", field="domain_config")
         return _module(domain).make_task(domain, rng, task_id, config)
     return _module(domain).make_task(domain, rng, task_id)
+
+
+def difficulty_ladder(domain: str) -> list[dict] | None:
+    """The domain family's own difficulty levels (level -> options), or None where it has none
+    (only reasoning-gym families with a curriculum do)."""
+    return _module(domain).difficulty_ladder(domain) if configurable(domain) else None

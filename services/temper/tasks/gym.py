@@ -7,6 +7,7 @@ A task's metadata names the entry exactly (``rg.dataset``, ``rg.seed``, ``rg.siz
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 
@@ -68,3 +69,36 @@ def make_task(domain: str, rng: random.Random, task_id: str, config: dict | None
         task_id=task_id, domain=domain, prompt=f"{entry['question']}\n\n{INSTRUCTION}",
         reference_answer="" if answer is None else str(answer),
         metadata={"rg.dataset": family, "rg.seed": str(seed), "rg.size": "1", "rg.index": "0", "rg.config": config_json})
+
+
+def difficulty_ladder(domain: str) -> list[dict] | None:
+    ladder = _ladder(_family(domain))
+    return None if ladder is None else [dict(rung) for rung in ladder]
+
+
+@functools.cache
+def _ladder(family: str) -> list[dict] | None:
+    """The family's difficulty levels as option sets (level i -> the knobs reasoning-gym's own curriculum
+    sets at its global level i, ranges inclusive of the easier levels), or None for a family without a
+    curriculum. Only the knobs the curriculum controls are in each option set."""
+    from reasoning_gym.coaching.attributes import RangeAttributeDefinition, ScalarAttributeDefinition
+    from reasoning_gym.factory import CURRICULA
+
+    if family not in CURRICULA:
+        return None
+    curriculum = CURRICULA[family]()
+    attrs = list(curriculum.attributes.values())
+    if not attrs:
+        return None
+    fields = []
+    for a in attrs:
+        if isinstance(a, RangeAttributeDefinition):
+            fields += [a.lower_field_name, a.upper_field_name]
+        elif isinstance(a, ScalarAttributeDefinition):
+            fields.append(a.field_name)
+    ladder = []
+    for level in range(max(len(a.levels) for a in attrs)):
+        curriculum.set_global_level(level)  # attributes with fewer levels stay at their hardest
+        config = curriculum.generate_configuration()
+        ladder.append({f: getattr(config, f) for f in fields})
+    return ladder

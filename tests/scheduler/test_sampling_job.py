@@ -1,0 +1,95 @@
+"""A real job (tiny model, every real service) with curriculum and adaptive weights turned on in its TOML:
+the scheduler learns each domain's outcomes from the `scored` stream and the job's status shows them."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from temper import jobs
+
+pytestmark = pytest.mark.e2e
+STEPS = 10
+FLOOR = 0.05
+SAMPLING = f"""
+[job.sampling]
+weights = {{ "toy.copy" = 2.0 }}
+
+[job.sampling.curriculum]
+domains = ["rg.chain_sum"]
+window = 4
+
+[job.sampling.adaptive]
+window = 4
+floor = {FLOOR}
+
+"""
+
+
+DYNAMIC = """
+[job.sampling.dynamic_sampling]
+max_refill_ratio = 1.0
+
+[job.sampling.loss_weighting]
+lagging = 1.0
+
+"""
+
+
+def run_job(tmp_path, sampling: str) -> dict:
+    """`temper run` of the toy job over three domains with ``sampling`` tables; its summary.json."""
+    text = jobs.path("toy").read_text()
+    for old, new in (("steps = 150", f"steps = {STEPS}"),
+                     ('domains = ["toy.copy", "toy.next"]', 'domains = ["toy.copy", "toy.next", "rg.chain_sum"]'),
+                     ("size = 100", "size = 0"), ("[job.eval]", sampling + "[job.eval]")):
+        assert old in text
+        text = text.replace(old, new, 1)
+    config = tmp_path / "job.toml"
+    config.write_text(text)
+    proc = subprocess.run([sys.executable, "-m", "temper.cli.main", "--home", str(tmp_path / "home"),
+                           "--config", str(config), "run", "--runs", str(tmp_path / "runs")],
+                          capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((tmp_path / "runs" / "latest" / "summary.json").read_text())
+
+
+def test_a_job_with_curriculum_and_adaptive_weights_reports_what_it_learned_per_domain(tmp_path):
+    sampling = run_job(tmp_path, SAMPLING)["sampling"]
+    by = {d["domain"]: d for d in sampling["domains"]}
+    assert list(by) == ["toy.copy", "toy.next", "rg.chain_sum"]
+    total = STEPS * 16
+    # the scheduler saw (nearly) every scored group: all but what was still on the stream at the end
+    assert (STEPS - 1) * 16 <= sampling["groups_scored"] <= total
+    assert sum(d["groups"] for d in by.values()) == sampling["groups_scored"]
+    assert sum(d["drawn"] for d in by.values()) == total
+    assert all(d["groups"] > 0 and d["trajectories"] == 8 * d["groups"] for d in by.values())
+    assert all(0.0 <= d["pass_rate"] <= 1.0 for d in by.values())
+    assert by["toy.copy"]["total_pass_rate"] > 0  # the tiny model answers some copies right
+    # curriculum: chain_sum has a ladder (reasoning-gym's own) and, never solved, stays at its easiest level
+    chain = by["rg.chain_sum"]
+    assert chain["max_difficulty"] > 0 and chain["difficulty"] == 0 and chain["level_changes"] == 0
+    assert json.loads(chain["difficulty_options"])["max_terms"] == 2
+    assert chain["total_pass_rate"] == 0.0
+    # adaptive weights: a distribution with every domain at or above the floor, and measured progress
+    assert sum(d["weight"] for d in by.values()) == pytest.approx(1.0)
+    assert all(d["weight"] >= FLOOR - 1e-9 for d in by.values())
+    assert all(d["learning_progress"] >= 0 for d in by.values())
+    assert chain["weight"] <= max(by["toy.copy"]["weight"], by["toy.next"]["weight"])
+
+
+def test_dynamic_sampling_and_loss_weights_in_the_real_loop(tmp_path):
+    summary = run_job(tmp_path, SAMPLING + DYNAMIC)
+    sampling = summary["sampling"]
+    by = {d["domain"]: d for d in sampling["domains"]}
+    # the learner trained every step on a full batch: the scheduler published prompts_per_step groups per step
+    assert len(summary["steps"]) == STEPS and all(s["samples"] == 16 * 8 for s in summary["steps"])
+    # rg.chain_sum is never solved by the tiny model: its groups are all-zero, dropped and replaced
+    dropped = sampling["zero_variance_groups_dropped"]
+    assert dropped > 0 and by["rg.chain_sum"]["zero_variance_groups"] == by["rg.chain_sum"]["groups"] > 0
+    assert sampling["refill_groups"] == dropped  # every dropped group was replaced by a fresh draw...
+    assert sampling["groups_scored"] == STEPS * 16 + dropped  # ...and every scored one is accounted for
+    assert sum(d["groups"] for d in by.values()) == sum(d["drawn"] for d in by.values()) == sampling["groups_scored"]
+    # loss weights: the lagging domain's groups weigh more than the leading one's
+    assert by["rg.chain_sum"]["loss_weight"] >= 1.0 >= min(by["toy.copy"]["loss_weight"], by["toy.next"]["loss_weight"])
