@@ -90,7 +90,7 @@ def test_config_show_environment_flags_and_a_file_of_ones_own(temper, tmp_path, 
 def test_config_show_names_table_and_key_of_a_bad_value(temper, tmp_path, monkeypatch):
     bad = tmp_path / "bad.toml"
     bad.write_text('[model]\npreset = "tiny"\n[learner]\nlr = "fast"\npolicy_loss = "ppo"\nkl_coeff = 0.1\n'
-                   '[replay.tables.default]\nsampler = "fifox"\n')
+                   '[replay.tables.default]\nsampler = "fifox"\nmax_sise = 10\n')
     monkeypatch.setenv("TEMPER_SANDBOX_MAX_QUEUE", "lots")
     code, out, err = temper("config", "show", "--config", str(bad))
     assert code == 1 and out == "" and "Traceback" not in err
@@ -100,6 +100,8 @@ def test_config_show_names_table_and_key_of_a_bad_value(temper, tmp_path, monkey
     assert "[learner] kl_coeff: unknown key (did you mean kl_coef?)" in err
     assert "[replay] tables.default.sampler: Input should be 'fifo', 'lifo', 'uniform' or 'prioritized'" in err
     assert "[sandbox] max_queue:" in err and "[from env TEMPER_SANDBOX_MAX_QUEUE]" in err
+    # an unknown key of a nested table lists that table's keys
+    assert "[replay] tables.default.max_sise: unknown key (did you mean max_size?); known: domain_quotas," in err
 
 
 def test_dry_run_prints_the_plan_of_the_default_job_and_starts_nothing(temper, tmp_path):

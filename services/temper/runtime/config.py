@@ -134,6 +134,36 @@ def field_sources(cls: type[ServiceConfig], argv: list[str] | None = None,
     return out
 
 
+def _known_keys(cls: type, path) -> list[str]:
+    """The keys of the (nested) model table at ``path`` below ``cls``, following models, dicts and lists
+    (``tables.default`` -> the fields of the table model); [] where the path leads to no model."""
+    import typing
+
+    from pydantic import BaseModel
+
+    def model_in(tp):
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            return tp
+        for arg in typing.get_args(tp):
+            if (m := model_in(arg)) is not None:
+                return m
+        return None
+
+    node = cls
+    for part in path:
+        if isinstance(node, type) and issubclass(node, BaseModel):
+            if str(part) not in node.model_fields:
+                return []
+            node = node.model_fields[str(part)].annotation
+        else:  # a dict value or list item: the model it holds
+            args = typing.get_args(node)
+            node = args[-1] if args else None
+        if node is None:
+            return []
+    model = model_in(node)
+    return sorted(model.model_fields) if model is not None else []
+
+
 def describe_errors(cls: type[ServiceConfig], error: ValidationError, argv: list[str] | None = None) -> list[str]:
     """One line per error of ``error``: ``[section] key: what is wrong (got VALUE; from SOURCE)``, naming the
     allowed keys for an unknown one; the source is the environment variable or flag when one set it."""
@@ -143,7 +173,7 @@ def describe_errors(cls: type[ServiceConfig], error: ValidationError, argv: list
         loc = ".".join(str(part) for part in err["loc"])
         top = str(err["loc"][0]) if err["loc"] else ""
         if err["type"] == "extra_forbidden":
-            known = sorted(cls.model_fields) if len(err["loc"]) == 1 else []
+            known = _known_keys(cls, err["loc"][:-1])
             close = difflib.get_close_matches(str(err["loc"][-1]), known, n=1)
             what = "unknown key" + (f" (did you mean {close[0]}?)" if close else "") \
                 + (f"; known: {', '.join(known)}" if known else "")
