@@ -180,3 +180,15 @@ def test_a_cuda_step_matches_the_cpu_step_and_reports_device_memory(model_dir):
     bf16 = Trainer(model_dir, TrainerConfig(device="cuda"))  # auto: bf16 autocast where the GPU supports it
     assert bf16.compute_dtype == (torch.bfloat16 if torch.cuda.is_bf16_supported() else None)
     assert math.isfinite(bf16.step(batch)["loss"])
+
+
+def test_cpu_threads_sets_the_trainers_torch_threads(model_dir):
+    # the launcher starts services with OMP_NUM_THREADS=1; a real model's learner asks for more
+    before = torch.get_num_threads()
+    try:
+        Trainer(model_dir, TrainerConfig(cpu_threads=2, autocast="fp32"))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValidationError):
+        TrainerConfig(cpu_threads=-1)

@@ -97,6 +97,8 @@ class TrainerConfig(BaseModel):
     gradient_checkpointing: bool = Field(True, description="recompute decoder layers in backward (HF "
                                                            "gradient_checkpointing_enable, non-reentrant)")
     device: str = Field("auto", description="auto (cuda when available, else cpu), cpu, cuda, cuda:N")
+    cpu_threads: int = Field(0, ge=0, description="torch CPU threads of the trainer; 0: as the environment says "
+                                                  "(the local launcher starts every service with OMP_NUM_THREADS=1)")
     autocast: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="compute dtype of forward/backward, fp32 master weights always; auto: bf16 on CUDA with "
                             "bf16 support, on CPU for bf16-stored models where the CPU has native bf16")
@@ -251,6 +253,8 @@ def _with_lora(model, config: TrainerConfig):
 class Trainer:
     def __init__(self, model_dir: str | Path, config: TrainerConfig):
         torch.manual_seed(config.seed)
+        if config.cpu_threads:
+            torch.set_num_threads(config.cpu_threads)
         self.config = config
         self.device = resolve_device(config.device)
         stored = stored_dtype(model_dir)
