@@ -26,6 +26,7 @@ Usage: python trl_peer.py SPEC.json OUT.json   (also prints the result as one JS
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import json
 import re
 import sys
@@ -166,8 +167,8 @@ def main(spec_path: str, out_path: str) -> None:
         "mean_reward_per_step": counted["rewards"],
         "eval": {"before": before, "after": after,
                  "gain": {d: after["accuracy"][d] - before["accuracy"][d] for d in before["accuracy"]}},
-        "versions": {"trl": __import__("trl").__version__, "transformers": __import__("transformers").__version__,
-                     "torch": torch.__version__, "reasoning_gym": __import__("reasoning_gym").__version__},
+        "versions": {name: importlib.metadata.version(name)  # reasoning_gym.__version__ lags its release
+                     for name in ("trl", "transformers", "torch", "reasoning-gym")},
     }
     Path(out_path).write_text(json.dumps(result, indent=2))
     print(json.dumps(result), flush=True)
