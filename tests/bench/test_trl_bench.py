@@ -1,0 +1,353 @@
+"""Post-training side by side with TRL's GRPOTrainer: SmolLM2-135M-Instruct, the same wall-clock budget.
+
+Both sides take everything from the shipped job ``services/temper/jobs/smollm2.toml``, read at
+bench time: model folder, reasoning-gym families and their domain_config knobs, group size,
+prompts per step, temperature, max tokens, chat template + the prefilled ``response_prefix``,
+learning rate, clip range, grad-norm clip, epochs. The held-out problems are the job's own
+(``JobSpec.eval_sets()``, i.e. temper.scheduler.evaluation.EvalSets, disjoint from training), and
+TRL's training prompts are the ones Temper's scheduler draws for the same seed, in the same order
+(the scheduler's draw loop replayed: rng.choice of a domain, then ``draw_training_task``).
+
+Budget: ``TEMPER_BENCH_BUDGET_S`` seconds (default 1800, the issue's 30 minutes) of training loop,
+start-up and the two evaluations outside it, on each side:
+- TRL (tests/bench/trl_peer.py in the bench-only venv): from ``on_train_begin`` to the first step
+  boundary past the budget (the step in flight at the budget completes and counts).
+- Temper (``temper run``'s machinery: Launcher.up + StartJob on the job's JobSpec, steps set to the
+  maximum, i.e. "steps large, stop at the budget"): from the end of the job's "before" evaluation;
+  at the budget the job is stopped (StopJob: no new step starts), the learner step in flight
+  completes (the first StepMetrics after the budget: TRL's step boundary) and the learner is then
+  SIGKILLed, so nothing more is pushed; the serving policy is evaluated greedily on the same
+  held-out sets by temper.scheduler.evaluation.evaluate, through the same inference and reward
+  services the job's own evaluations use. With L >= 1 the rollouts generated ahead for the next
+  step are lost (counted in Temper's generated tokens, never trained on).
+Generated tokens/s: completion tokens generated during that window / its seconds (Temper: every
+rollout the scheduler published before the stop; TRL: every completion the reward saw).
+
+Parts (each a test, so each fits a run of its own): ``test_trl_side[seedS]`` and
+``test_temper_side[seedS-lagL]`` write ``$TEMPER_BENCH_OUT/<part>-budget<B>.json`` (default
+bench-results/trl/); ``test_report`` prints the table from the parts present for this budget and
+writes ``trl_vs_temper-budget<B>.json``. Seeds: ``TEMPER_BENCH_SEEDS`` (default 0,1); lags:
+``TEMPER_BENCH_LAGS`` (default 0,1,2). Goal: Temper's gain >= 1.5x TRL's.
+Run: ``make bench-peers`` once, then ``make bench`` (or ``pytest -s -m bench tests/bench/test_trl_bench.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from temper import jobs
+from temper.cli.main import job_spec
+from temper.scheduler.core import MAX_STEPS
+from temper.scheduler.evaluation import draw_training_task
+
+ROOT = Path(__file__).resolve().parents[2]
+TRL_VENV = Path(os.environ.get("TEMPER_TRL_VENV", "/work/bench-venvs/trl"))
+TRL_PYTHON = TRL_VENV / "bin" / "python"
+PEER = Path(__file__).with_name("trl_peer.py")
+JOB = jobs.path("smollm2")
+BUDGET_S = float(os.environ.get("TEMPER_BENCH_BUDGET_S", "1800"))
+SEEDS = [int(s) for s in os.environ.get("TEMPER_BENCH_SEEDS", "0,1").split(",") if s.strip()]
+LAGS = [int(s) for s in os.environ.get("TEMPER_BENCH_LAGS", "0,1,2").split(",") if s.strip()]
+OUT = Path(os.environ.get("TEMPER_BENCH_OUT", ROOT / "bench-results" / "trl"))
+TRL_THREADS = os.environ.get("TEMPER_BENCH_TRL_THREADS", "2")  # the machine's 2 cores, to one process
+TRL_BF16 = os.environ.get("TEMPER_BENCH_TRL_BF16", "0") == "1"  # off: fp32 generates 2x faster on this CPU
+# held-out problems per domain: the job's eval.size unless set (a smaller set is a prefix of the job's:
+# the same seeded draws); for quick runs of the bench only
+EVAL_SIZE = int(os.environ.get("TEMPER_BENCH_EVAL_SIZE", "0"))
+SIDE_TIMEOUT = BUDGET_S + 1800  # start-up, two evaluations and the step in flight, on top of the budget
+
+
+def _job_table() -> dict:
+    with open(JOB, "rb") as f:
+        return tomllib.load(f)
+
+
+def _model_dir() -> Path:
+    raw = os.environ.get("TEMPER_SMOLLM2_DIR") or _job_table()["model"]["dir"]
+    path = Path(raw)
+    return path if path.is_absolute() else ROOT / path
+
+
+needs_model = pytest.mark.skipif(not (_model_dir() / "config.json").exists(),
+                                 reason=f"no SmolLM2 folder at {_model_dir()} (make setup converts it; "
+                                        "TEMPER_SMOLLM2_DIR names another)")
+needs_trl = pytest.mark.skipif(not (TRL_VENV / ".installed").exists(),
+                               reason=f"no TRL bench venv at {TRL_VENV} (make bench-peers creates it)")
+
+
+def _part(name: str) -> Path:
+    return OUT / f"{name}-budget{BUDGET_S:g}.json"
+
+
+def _spec(seed: int, lag: int):
+    """The shipped job's JobSpec, as `temper run --seed` builds it, with this lag and steps to spare."""
+    table = dict(_job_table()["job"], max_policy_lag=lag)
+    if EVAL_SIZE:
+        table["eval"] = dict(table.get("eval", {}), size=EVAL_SIZE)
+    return job_spec(table, JOB, steps=MAX_STEPS, seed=seed)
+
+
+def _config_text(seed: int, lag: int) -> str:
+    """The shipped job file with the model folder absolute and [job] seed/lag/steps set (services read
+    their job-derived settings from it; the job itself is submitted as ``_spec``)."""
+    text = JOB.read_text()
+    for pattern, new in ((r'(?m)^dir = ".*"$', f'dir = "{_model_dir()}"'), (r"(?m)^seed = \d+", f"seed = {seed}"),
+                         (r"(?m)^max_policy_lag = \d+", f"max_policy_lag = {lag}"),
+                         (r"(?m)^steps = \d+", f"steps = {MAX_STEPS}")):
+        text, n = re.subn(pattern, new, text, count=1)
+        assert n == 1, f"{JOB}: no line matching {pattern}"
+    return text
+
+
+def _task(t) -> dict:
+    return {"prompt": t.prompt, "domain": t.domain, "metadata": dict(t.metadata)}
+
+
+def training_tasks(spec, eval_sets, steps: int) -> list:
+    """The prompts Temper's scheduler draws for ``spec`` (Job.run_step's loop), ``steps`` steps of them."""
+    rng = random.Random(spec.seed)
+    out = []
+    for step in range(steps):
+        for i in range(spec.prompts_per_step):
+            domain = rng.choice(spec.domains)
+            task, _ = draw_training_task(domain, rng, f"bench/s{step}/p{i}", spec.domain_config.get(domain), eval_sets)
+            out.append(task)
+    return out
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+# -- TRL --------------------------------------------------------------------------------------------
+def trl_side(tmp: Path, seed: int) -> dict:
+    spec = _spec(seed, 0)
+    eval_sets = spec.eval_sets()
+    learner = _job_table().get("learner", {})
+    # TRL cannot take more steps than the budget allows at 2 s a step (measured: ~15 s on this machine)
+    train = training_tasks(spec, eval_sets, int(BUDGET_S / 2) + 10)
+    peer_spec = {
+        "model_dir": str(_model_dir()), "seed": seed, "budget_s": BUDGET_S, "work_dir": str(tmp / "trl-out"),
+        "group_size": spec.group_size, "prompts_per_step": spec.prompts_per_step, "temperature": spec.temperature,
+        "max_tokens": spec.max_tokens, "eval_max_tokens": spec.eval.max_tokens or spec.max_tokens,
+        "response_prefix": spec.response_prefix, "bf16": TRL_BF16, "lr": learner.get("lr", 1e-5),
+        "clip_low": learner.get("clip_low", 0.2), "clip_high": learner.get("clip_high", 0.28),
+        "max_grad_norm": learner.get("max_grad_norm", 1.0), "epochs": learner.get("epochs", 1),
+        "train": [_task(t) for t in train],
+        "eval": [_task(t) for ts in eval_sets.sets.values() for t in ts],
+    }
+    assert spec.chat_template, "the job's prompts are chat turns; the peer renders them the same way"
+    (tmp / "trl-spec.json").write_text(json.dumps(peer_spec))
+    env = {**os.environ, "OMP_NUM_THREADS": TRL_THREADS, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": ""}
+    t0 = time.monotonic()
+    log = tmp / "trl.log"  # the peer's progress, step by step (tail -f it)
+    print(f"\nTRL side: {len(train)} training prompts, {len(peer_spec['eval'])} held-out; log: {log}", flush=True)
+    with open(log, "w") as f:
+        proc = subprocess.run([str(TRL_PYTHON), str(PEER), str(tmp / "trl-spec.json"), str(tmp / "trl-result.json")],
+                              stdout=f, stderr=subprocess.STDOUT, timeout=SIDE_TIMEOUT, env=env)
+    assert proc.returncode == 0, f"TRL side failed ({proc.returncode}): {log.read_text()[-5000:]}"
+    result = json.loads((tmp / "trl-result.json").read_text())
+    result["total_seconds"] = time.monotonic() - t0
+    result["eval_problems_per_domain"] = spec.eval.size
+    return result
+
+
+# -- Temper -----------------------------------------------------------------------------------------
+def temper_side(tmp: Path, seed: int, lag: int) -> dict:
+    from kafka import KafkaConsumer
+    from kafka.structs import TopicPartition
+
+    from temper.client.sdk import InferenceClient, RewardClient, SchedulerClient
+    from temper.runtime import kafka
+    from temper.runtime.launcher import Launcher
+    from temper.scheduler.evaluation import evaluate
+    from temper.v1 import common_pb2, scheduler_pb2
+
+    config = tmp / f"smollm2-seed{seed}-lag{lag}.toml"
+    config.write_text(_config_text(seed, lag))
+    spec = _spec(seed, lag)
+    eval_sets = spec.eval_sets()
+    launcher = Launcher(home=tmp / f"home-seed{seed}-lag{lag}", config=config)
+    t0 = time.monotonic()
+    state = launcher.up(timeout=600)
+    up_seconds = time.monotonic() - t0
+    try:
+        consumer = KafkaConsumer(bootstrap_servers=state.kafka_bootstrap, group_id=None, enable_auto_commit=False,
+                                 fetch_max_wait_ms=100, max_partition_fetch_bytes=64 << 20)
+        tp_metrics, tp_rollouts = TopicPartition(kafka.METRICS, 0), TopicPartition(kafka.ROLLOUTS, 0)
+        consumer.assign([tp_metrics, tp_rollouts])
+        consumer.seek_to_end(tp_metrics, tp_rollouts)
+        consumer.position(tp_metrics)
+        consumer.position(tp_rollouts)
+        scheduler = SchedulerClient(state.services["scheduler"].address)
+        job_id = scheduler.start_job(spec.to_proto()).job_id
+        steps: dict[int, common_pb2.StepMetrics] = {}
+        generated: list[tuple[int, int]] = []  # (created_unix_ms, completion tokens) per rollout group
+        t_train = t_budget = t_stop = stop_unix_ms = None
+        status = None
+        deadline = time.monotonic() + SIDE_TIMEOUT
+        while True:
+            assert time.monotonic() < deadline, f"Temper job {job_id}: no end after {SIDE_TIMEOUT:.0f}s"
+            for part, records in consumer.poll(timeout_ms=200).items():
+                for r in records:
+                    if part == tp_rollouts:
+                        g = common_pb2.RolloutGroup.FromString(r.value)
+                        if g.job_id == job_id:
+                            generated.append((g.created_unix_ms, sum(len(t.completion_token_ids) for t in g.trajectories)))
+                    else:
+                        m = common_pb2.StepMetrics.FromString(r.value)
+                        if m.job_id == job_id and m.step not in steps:
+                            steps[m.step] = m
+                            print(f"temper L={lag} step {m.step} reward {m.mean_reward:.3f} v{m.policy_version} "
+                                  f"{m.seconds:.1f}s", flush=True)
+                            if t_budget is not None:  # the step in flight at the budget is in: stop here
+                                t_stop = time.monotonic()
+            if t_budget is not None and t_stop is None and time.monotonic() - t_budget > SIDE_TIMEOUT / 2:
+                t_stop = time.monotonic()  # no step came after the budget (none was in flight)
+            if t_stop is not None:
+                launcher.stop_service("learner", kill=True)  # nothing more is trained or pushed
+                stop_unix_ms = int(time.time() * 1000)
+                break
+            if t_budget is not None:
+                continue
+            status = scheduler.job(job_id)
+            assert status.state not in (scheduler_pb2.JOB_STATE_FAILED, scheduler_pb2.JOB_STATE_STOPPED), status.error
+            if t_train is None and status.evals:
+                t_train = time.monotonic()  # the "before" evaluation is in: training starts now
+            if t_train is not None and time.monotonic() - t_train >= BUDGET_S:
+                scheduler.stop_job(job_id)  # no new step starts; the learner step in flight completes
+                t_budget = time.monotonic()
+        before = status.evals[0]
+        scheduler.close()
+        consumer.close()
+        with InferenceClient(state.services["inference"].address) as inference, \
+                RewardClient(state.services["reward"].address) as reward:
+            inference.timeout = reward.timeout = 1200
+
+            def greedy(prompts, max_tokens):
+                return inference.generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens,
+                                          apply_chat_template=spec.chat_template,
+                                          assistant_prefix=spec.response_prefix)
+
+            after = evaluate(eval_sets, greedy, reward.score, spec.eval.max_tokens or spec.max_tokens, "final",
+                             job_id=job_id, response_prefix=spec.response_prefix)
+    finally:
+        launcher.down()
+    wall = t_stop - t_train
+    tokens = sum(n for ms, n in generated if ms <= stop_unix_ms)
+    trained = [steps[k] for k in sorted(steps)]
+
+    def ev(e) -> dict:
+        return {"accuracy": dict(e.accuracy), "policy_version": e.policy_version, "problems": e.problems,
+                "seconds": e.seconds, "generated_tokens": e.generated_tokens}
+
+    return {
+        "side": "temper", "seed": seed, "max_policy_lag": lag, "budget_s": BUDGET_S, "train_seconds": wall,
+        "up_seconds": up_seconds, "steps": len(trained), "step_seconds": [m.seconds for m in trained],
+        "completions": sum(m.samples for m in trained), "rollout_groups": len(generated),
+        "generated_tokens": tokens, "generated_tokens_per_s": tokens / wall,
+        "mean_reward_per_step": [m.mean_reward for m in trained],
+        "sample_lag_max": max((m.policy_version - 1 - m.min_sample_policy_version for m in trained), default=0),
+        "eval": {"before": ev(before), "after": ev(after),
+                 "gain": {d: after.accuracy[d] - before.accuracy[d] for d in before.accuracy}},
+        "eval_problems_per_domain": spec.eval.size, "total_seconds": time.monotonic() - t0,
+    }
+
+
+def _save(name: str, result: dict) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    _part(name).write_text(json.dumps(result, indent=2))
+    acc = result["eval"]
+    print(f"\n{name}: held-out {_mean(acc['before']['accuracy'].values()):.3f} -> "
+          f"{_mean(acc['after']['accuracy'].values()):.3f} in {result['steps']} steps, "
+          f"{result['train_seconds']:.0f}s, {result['generated_tokens_per_s']:.1f} generated tok/s; "
+          f"{_part(name)}")
+
+
+def _check(result: dict) -> None:
+    ev = result["eval"]
+    assert result["steps"] >= 1 and result["generated_tokens"] > 0, result
+    assert set(ev["before"]["accuracy"]) == set(ev["after"]["accuracy"]) == set(_spec(0, 0).domains)
+    assert all(0.0 <= a <= 1.0 for e in (ev["before"], ev["after"]) for a in e["accuracy"].values())
+    assert result["train_seconds"] >= BUDGET_S  # trained for the whole budget
+
+
+@pytest.mark.bench
+@needs_model
+@needs_trl
+@pytest.mark.timeout(SIDE_TIMEOUT + 300)
+@pytest.mark.parametrize("seed", SEEDS, ids=lambda s: f"seed{s}")
+def test_trl_side(tmp_path, seed):
+    result = trl_side(tmp_path, seed)
+    _check(result)
+    assert result["eval"]["before"]["problems"] == len(_spec(seed, 0).domains) * result["eval_problems_per_domain"]
+    _save(f"trl-seed{seed}", result)
+
+
+@pytest.mark.bench
+@needs_model
+@pytest.mark.timeout(SIDE_TIMEOUT + 300)
+@pytest.mark.parametrize("lag", LAGS, ids=lambda v: f"lag{v}")
+@pytest.mark.parametrize("seed", SEEDS, ids=lambda s: f"seed{s}")
+def test_temper_side(tmp_path, seed, lag):
+    result = temper_side(tmp_path, seed, lag)
+    _check(result)
+    assert result["sample_lag_max"] <= lag
+    _save(f"temper-seed{seed}-lag{lag}", result)
+
+
+@pytest.mark.bench
+def test_report():
+    """The table of every part present for this budget, with the gain ratios; the JSON next to it."""
+    parts = {p.name.removesuffix(f"-budget{BUDGET_S:g}.json"): json.loads(p.read_text())
+             for p in sorted(OUT.glob(f"*-budget{BUDGET_S:g}.json")) if p.name.startswith(("trl-seed", "temper-seed"))}
+    trl = [r for k, r in parts.items() if k.startswith("trl-")]
+    if not trl or len(parts) == len(trl):
+        pytest.skip(f"no TRL and Temper parts for budget {BUDGET_S:g}s in {OUT} (run the side tests first)")
+
+    def gain(r) -> float:
+        return _mean(r["eval"]["gain"].values())
+
+    rows = [("TRL GRPOTrainer", trl)] + [(f"Temper L={lag}", [r for k, r in parts.items()
+                                                             if k.startswith("temper-") and r["max_policy_lag"] == lag])
+                                         for lag in sorted({r["max_policy_lag"] for k, r in parts.items()
+                                                            if k.startswith("temper-")})]
+    trl_gain = _mean(gain(r) for r in trl)
+    domains = list(trl[0]["eval"]["before"]["accuracy"])
+    print(f"\nSmolLM2-135M-Instruct, {JOB.name}: {', '.join(domains)}; budget {BUDGET_S:g}s of training per run; "
+          f"held-out greedy accuracy (mean over domains, {trl[0]['eval_problems_per_domain']} problems each)")
+    print(f"  {'':<17}{'seeds':>6}{'before':>8}{'after':>8}{'gain':>8}{'x TRL':>7}{'steps':>7}{'gen tok/s':>10}")
+    report = {"budget_s": BUDGET_S, "job": str(JOB), "domains": domains, "rows": {}}
+    for name, rs in rows:
+        if not rs:
+            continue
+        g = _mean(gain(r) for r in rs)
+        ratio = g / trl_gain if trl_gain > 0 else None
+        row = {"seeds": [r["seed"] for r in rs],
+               "before": _mean(_mean(r["eval"]["before"]["accuracy"].values()) for r in rs),
+               "after": _mean(_mean(r["eval"]["after"]["accuracy"].values()) for r in rs),
+               "gain": g, "gain_per_seed": [gain(r) for r in rs], "ratio_to_trl": ratio,
+               "steps": _mean(r["steps"] for r in rs),
+               "generated_tokens_per_s": _mean(r["generated_tokens_per_s"] for r in rs),
+               "per_domain_gain": {d: _mean(r["eval"]["gain"][d] for r in rs) for d in domains}}
+        report["rows"][name] = row
+        print(f"  {name:<17}{len(rs):>6}{row['before']:8.3f}{row['after']:8.3f}{g:+8.3f}"
+              f"{(f'{ratio:6.2f}x' if ratio is not None else '    n/a'):>7}{row['steps']:7.1f}"
+              f"{row['generated_tokens_per_s']:10.1f}")
+    if trl_gain <= 0:
+        print(f"  (TRL's mean gain is {trl_gain:+.3f}: no ratio)")
+    path = OUT / f"trl_vs_temper-budget{BUDGET_S:g}.json"
+    path.write_text(json.dumps({**report, "parts": parts}, indent=2))
+    print(f"  written: {path}")
+    assert all(0.0 <= row["before"] <= 1.0 for row in report["rows"].values())

