@@ -45,7 +45,7 @@ from pathlib import Path
 import pytest
 
 from temper import jobs
-from temper.cli.main import job_spec
+from temper.cli.plan import job_spec
 from temper.scheduler.core import MAX_STEPS
 from temper.scheduler.evaluation import draw_training_task
 
