@@ -330,7 +330,12 @@ class SamplingPolicy:
 
     def draw(self, rng: random.Random) -> tuple[str, int, dict | None]:
         """(domain, difficulty level, the family's options at that level or None) of the next prompt."""
-        domain = rng.choices(self.domains, weights=self._probs())[0]
+        probs = self._probs()
+        if max(probs) - min(probs) <= 1e-12:
+            # uniform: the very draw a job without [job.sampling] always made, so its prompts stay the same
+            domain = rng.choice(self.domains)
+        else:
+            domain = rng.choices(self.domains, weights=probs)[0]
         self.stats[domain].drawn += 1
         return domain, self.stats[domain].level, self.options(domain)
 
