@@ -29,9 +29,10 @@ from pathlib import Path
 from typing import Literal
 
 import grpc
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from temper.client.transport import AUTH_TOKEN_FILE_ENV, auth_token
+from temper.runtime.config import job_table
 
 OPEN_METHODS = ("/grpc.health.v1.Health/",)  # prefixes callable without a token
 
@@ -46,11 +47,7 @@ class AuthConfig(BaseModel):
 
     @classmethod
     def from_config(cls, cfg: dict, source: str | Path = "config") -> AuthConfig:
-        try:
-            return cls.model_validate(cfg.get("auth", {}))
-        except ValidationError as e:
-            problems = "; ".join(f"auth.{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
-            raise ValueError(f"{source}: [auth] {problems}") from None
+        return job_table(cls, cfg, "auth", source)
 
 
 def write_token(home: Path) -> Path:

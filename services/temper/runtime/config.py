@@ -186,3 +186,16 @@ def describe_errors(cls: type[ServiceConfig], error: ValidationError, argv: list
             what += f" [from {source}]"
         lines.append(f"[{cls.section}] {loc or '(table)'}: {what}")
     return lines
+
+
+M = TypeVar("M")
+
+
+def job_table(model: type[M], cfg: dict, name: str, source: str | Path = "config") -> M:
+    """The ``[name]`` table of a whole job config validated by the pydantic ``model`` (absent: its defaults);
+    a mistake is a ValueError naming the file and ``name.KEY``."""
+    try:
+        return model.model_validate(cfg.get(name, {}))
+    except ValidationError as e:
+        problems = "; ".join(f"{name}.{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        raise ValueError(f"{source}: [{name}] {problems}") from None

@@ -38,8 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
+from temper.runtime.config import job_table
 from temper.runtime.logs import get_logger
 
 if TYPE_CHECKING:
@@ -67,11 +68,7 @@ class RestartPolicy(BaseModel):
     @classmethod
     def from_config(cls, cfg: dict, source: str | Path = "config") -> RestartPolicy:
         """The policy of a whole job config; a mistake is a ValueError naming ``launcher.KEY``."""
-        try:
-            return cls.model_validate(cfg.get("launcher", {}))
-        except ValidationError as e:
-            problems = "; ".join(f"launcher.{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
-            raise ValueError(f"{source}: [launcher] {problems}") from None
+        return job_table(cls, cfg, "launcher", source)
 
     def delay(self, restarts_in_a_row: int) -> float:
         """Seconds to wait before restart number ``restarts_in_a_row`` (1, 2, ...) of a crash loop."""
