@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator
 import grpc
 
 from temper.client.transport import channel as _channel
+from temper.client.transport import varint
 from temper.v1 import (
     common_pb2,
     inference_pb2,
@@ -177,15 +178,6 @@ class SandboxClient(_Client):
 INSERT_BATCH_BYTES = 1 << 20  # well under the servers' message limit, big enough to amortise a message's cost
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 def _insert_requests(groups: list[common_pb2.RolloutGroup], table: str, priorities: Iterable[float | None] | None,
                      batch_bytes: int) -> Iterable[bytes]:
     """Serialized InsertRequests of about ``batch_bytes``. Each group is serialized once and framed
@@ -203,7 +195,7 @@ def _insert_requests(groups: list[common_pb2.RolloutGroup], table: str, prioriti
     parts, first, size = [head], 0, 0
     for k, g in enumerate(groups):
         data = g.SerializeToString()
-        parts += (b"\x22", _varint(len(data)), data)  # field 4 (groups), length-delimited
+        parts += (b"\x22", varint(len(data)), data)  # field 4 (groups), length-delimited
         size += len(data)
         if size >= batch_bytes or k == len(groups) - 1:
             if all(given):

@@ -123,3 +123,13 @@ def check_health(address: str, timeout: float = 1.0, service: str = "") -> str:
         except grpc.RpcError:
             return "UNREACHABLE"
     return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+def varint(n: int) -> bytes:
+    """Protobuf base-128 varint of a non-negative ``n`` (for hand-framed messages: length prefixes, tags)."""
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)

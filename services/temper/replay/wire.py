@@ -20,6 +20,7 @@ import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.message_factory import GetMessageClass
 
+from temper.client.transport import varint  # noqa: F401 - framing of replay payloads (servicer, tests)
 from temper.v1 import common_pb2, replay_pb2
 
 VIEW_PACKAGE = "temper.v1view"
@@ -96,15 +97,6 @@ def array_lengths(t) -> tuple[int, int, str | None]:
 def needs_full_parse(group) -> bool:
     """True if a view may have missed unpacked-encoded arrays (see the module docstring)."""
     return any(not t.completion_token_ids or not t.completion_logprobs for t in group.trajectories)
-
-
-def varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 def _read_varint(data: bytes, i: int) -> tuple[int, int]:
