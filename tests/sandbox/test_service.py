@@ -213,8 +213,11 @@ def test_cli_through_the_running_service(service, tmp_path):
 def test_sandboxes_end_when_the_service_dies(tmp_path):
     """SIGKILL of the service: its sandboxes end by themselves; the next instance sweeps what is left."""
     first = start_sandbox(tmp_path, "--max-concurrency", "1", "--pool-size", "2")
-    deadline = time.monotonic() + 30
-    while len({p.parent for p in cgroup_dirs(first)[0].glob("*/cgroup.procs")}) < 2 and time.monotonic() < deadline:
+    # a sandbox's cgroup exists (with an empty cgroup.procs) just before runsc enters it: wait for both
+    # pooled sandboxes to have processes, not for their directories
+    deadline = time.monotonic() + 120
+    while len(booted := [f for f in cgroup_dirs(first)[0].glob("*/cgroup.procs") if f.read_text().split()]) < 2:
+        assert time.monotonic() < deadline, f"the pool of 2 did not boot: {booted}"
         time.sleep(0.1)
     pids = sandbox_pids(first)
     assert pids
