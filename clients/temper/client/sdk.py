@@ -324,6 +324,10 @@ class SchedulerClient(_Client):
     def resume_job(self, job_id: str) -> scheduler_pb2.JobStatus:
         return self.stub.ResumeJob(scheduler_pb2.ResumeJobRequest(job_id=job_id), timeout=self.timeout).job
 
+    def list_jobs(self) -> list[scheduler_pb2.JobStatus]:
+        """Every job of this scheduler process, in the order started (the running one, if any, last)."""
+        return list(self.stub.ListJobs(scheduler_pb2.ListJobsRequest(), timeout=self.timeout).jobs)
+
 
 class MonitorClient(_Client):
     stub_class = monitor_pb2_grpc.MonitorServiceStub
@@ -336,6 +340,12 @@ class MonitorClient(_Client):
         return list(self.stub.ListAlerts(monitor_pb2.ListAlertsRequest(
             job_id=job_id, domain=domain, detector=detector, min_severity=min_severity, since_unix_ms=since_unix_ms,
             limit=limit), timeout=self.timeout).alerts)
+
+    def list_steps(self, job_id: str, domain: str = "", last: int = 0) -> list[monitor_pb2.StepSeries]:
+        """The job's per-step series (per domain from `scored`, ``"*"`` from the learner's metrics), newest
+        ``last`` steps each (0: 100), oldest first."""
+        return list(self.stub.ListSteps(monitor_pb2.ListStepsRequest(job_id=job_id, domain=domain, last=last),
+                                        timeout=self.timeout).series)
 
 
 __all__ = ["InferenceClient", "RewardClient", "SandboxClient", "ReplayClient", "LearnerClient", "SchedulerClient",

@@ -8,6 +8,7 @@
   temper run --dry-run      check the job and print its plan (services, model, domains, steps, budget); start nothing
   temper config show        the resolved configuration of the job and every service, each value's source
   temper eval --model DIR --domains D [D ...]   held-out greedy accuracy of a model folder alone
+  temper monitor            live view of the running job (rewards, KL, entropy, lag, throughput, alerts)
   temper doctor             check what this machine needs, and say how to fix what is missing
   temper sandbox languages  the languages the sandbox runs, with their aliases (python, py, c++, sh, ...)
   temper sandbox exec FILE  run FILE in the gVisor sandbox service; prints the verdict as JSON ("status")
@@ -98,6 +99,33 @@ def cmd_alerts(args) -> int:
               + (f"\n    e.g. {', '.join(a.evidence.trajectory_ids[:3])}" if a.evidence.trajectory_ids else ""))
     if not alerts:
         print("no alerts")
+    return 0
+
+
+def cmd_monitor(args) -> int:
+    """A live view of a job (temper.cli.monitor): redrawn every --interval seconds; --once / --json: one frame."""
+    from rich.console import Console
+
+    from temper.cli import monitor
+
+    launcher = _launcher(args)
+
+    def fetch():
+        snap = monitor.gather(launcher.load(), job_id=args.job_id, table=args.table, alerts=args.alerts)
+        snap.home = str(launcher.home)
+        return snap
+
+    if args.json:
+        print(monitor.to_json(fetch()))
+        return 0
+    console = Console()
+    if args.once:
+        monitor.print_frame(fetch(), console)
+        return 0
+    try:
+        monitor.live(fetch, args.interval, console)
+    except KeyboardInterrupt:
+        pass
     return 0
 
 
@@ -468,6 +496,14 @@ def build_parser() -> argparse.ArgumentParser:
     al.add_argument("--severity", default="", choices=["", "info", "warning", "critical"], help="at least this")
     al.add_argument("--limit", type=int, default=0, help="newest N (default 1000)")
     al.add_argument("--json", action="store_true")
+    mo = command("monitor", cmd_monitor, "live view of a job: per-domain reward, accuracy and length, KL, entropy, "
+                 "throughput, policy lag, replay size, latest alerts")
+    mo.add_argument("--job", dest="job_id", default="", help="a job id (default: the running job, else the last)")
+    mo.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    mo.add_argument("--once", action="store_true", help="print one frame and exit (plain text when not a terminal)")
+    mo.add_argument("--json", action="store_true", help="print the frame's data as one JSON object and exit")
+    mo.add_argument("--alerts", type=int, default=5, help="newest alerts shown")
+    mo.add_argument("--table", default="default", help="the replay table whose size is shown")
     command("resume", cmd_resume, "continue a paused job").add_argument("job_id", metavar="JOB")
     command("doctor", cmd_doctor, "check what this machine needs (runsc, broker, model, memory, ports)")
     ev = command("eval", cmd_eval, "held-out greedy accuracy of a model folder, through inference and reward")

@@ -392,6 +392,16 @@ class Monitor:
             rows = self._db.execute("SELECT domain, policy_version, total, n FROM curve ORDER BY domain, policy_version")
             return [(d, v, t / n, n) for d, v, t, n in rows if n and (not domain or d == domain)]
 
+    def steps(self, job: str, domain: str = "", last: int = 0) -> list[tuple[str, str, list[det.StepStats]]]:
+        """(source, domain, the newest ``last`` closed steps, oldest first) of every series of ``job``
+        (of ``domain`` only, if given), by source then domain; ``last`` 0: 100."""
+        require(bool(job), "job_id", "must be set")
+        require(0 <= last <= MAX_LIST, "last", f"must be in [0, {MAX_LIST}], got {last}")
+        with self._lock:
+            found = [(src, d, list(series.steps[-(last or 100):])) for (j, src, d), series in self._series.items()
+                     if j == job and (not domain or d == domain) and series.steps]
+        return sorted(found, key=lambda x: (x[0], x[1]))
+
     def series(self, job: str, domain: str, source: str = "scored") -> list[det.StepStats]:
         with self._lock:
             return list(self._series.get((job, source, domain), Series()).steps)

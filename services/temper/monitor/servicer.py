@@ -20,3 +20,10 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServiceServicer):
     def ListAlerts(self, request, context):
         reject_unknown_fields(request, "request")
         return monitor_pb2.ListAlertsResponse(alerts=self.monitor.list_alerts(request))
+
+    def ListSteps(self, request, context):
+        reject_unknown_fields(request, "request")
+        return monitor_pb2.ListStepsResponse(series=[
+            monitor_pb2.StepSeries(domain=domain, source=source, steps=[
+                monitor_pb2.StepPoint(step=s.step, samples=s.samples, values=s.values) for s in steps])
+            for source, domain, steps in self.monitor.steps(request.job_id, request.domain, request.last)])

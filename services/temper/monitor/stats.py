@@ -282,4 +282,5 @@ def from_metrics(m: common_pb2.StepMetrics) -> StepStats:
     """A learner step as StepStats (the job-wide ``metrics`` series)."""
     values = dict(m.values)
     values["mean_reward"] = m.mean_reward
+    values["step_seconds"] = m.seconds  # wall time of the step: the live view's steps/min
     return StepStats(step=m.step, samples=m.samples, values=values)

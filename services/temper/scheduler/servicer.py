@@ -54,6 +54,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         job.resume()
         return scheduler_pb2.ResumeJobResponse(job=job.status())
 
+    def ListJobs(self, request, context):
+        reject_unknown_fields(request, "request")
+        return scheduler_pb2.ListJobsResponse(jobs=[j.status() for j in list(self.jobs.values())])
+
     def observe_scored(self, group: common_pb2.RolloutGroup) -> None:
         """A group from the `scored` stream: its job (if this process runs it) learns the outcome."""
         job = self.jobs.get(group.job_id)
