@@ -190,3 +190,29 @@ def test_metrics_series_spike(tmp_path):
     assert m.add_metrics(common_pb2.StepMetrics(job_id="j", step=12, values={"kl_ref": 9.0})) == []
     with pytest.raises(InvalidArgument):
         m.add_metrics(common_pb2.StepMetrics(job_id="", step=1))
+
+
+def test_steps_lists_a_jobs_series_oldest_first_and_survives_a_restart(tmp_path):
+    m = Monitor(tmp_path / "m.sqlite")
+    feed(m, "j", [0, 1, 2, 3], prompts=2)  # steps 0-2 close (step 3 waits for a later one)
+    m.add_scored(group("j", 0, 0, 1, domain="toy.next"))
+    m.add_scored(group("other", 0, 0, 1))
+    for step in (1, 2):
+        m.add_metrics(common_pb2.StepMetrics(job_id="j", step=step, seconds=0.5 * step, values={"kl_ref": 0.01}))
+    found = m.steps("j")
+    assert [(src, d) for src, d, _ in found] == [("metrics", "*"), ("scored", "toy.copy")]
+    (_, _, metrics), (_, _, copy) = found
+    assert [s.step for s in copy] == [0, 1, 2] and copy[-1].samples == 16
+    assert copy[-1].values["reward"] == pytest.approx((2 * 2 + 2) / 16)  # 2 hacked + 1 sound per group of 8
+    assert [(s.step, s.values["step_seconds"], s.values["kl_ref"]) for s in metrics] == [(1, 0.5, 0.01), (2, 1.0, 0.01)]
+    assert [(src, d, [s.step for s in steps]) for src, d, steps in m.steps("j", "toy.copy", last=2)] == \
+        [("scored", "toy.copy", [1, 2])]
+    assert m.steps("no-such-job") == []
+    for field, kw in [("job_id", {"job": ""}), ("last", {"job": "j", "last": -1}), ("last", {"job": "j", "last": 10_001})]:
+        with pytest.raises(InvalidArgument) as e:
+            m.steps(**kw)
+        assert e.value.field == field
+    m.close()
+    again = Monitor(tmp_path / "m.sqlite")
+    assert [(src, d, [s.step for s in steps]) for src, d, steps in again.steps("j")] == \
+        [(src, d, [s.step for s in steps]) for src, d, steps in found]

@@ -114,6 +114,7 @@ def test_scheduler(stack):
     expect(grpc.StatusCode.NOT_FOUND, "job_id", c.job, "no-such-job")
     expect(grpc.StatusCode.NOT_FOUND, "job_id", c.pause_job, "no-such-job")
     expect(grpc.StatusCode.NOT_FOUND, "job_id", c.resume_job, "no-such-job")
+    assert c.list_jobs() == []  # every StartJob above was refused: no job was made
     assert check_health(addr) == "SERVING"
 
 
@@ -129,6 +130,10 @@ def test_learner_and_monitor(stack):
     for field, kw in [("limit", {"limit": -1}), ("limit", {"limit": 10_001}), ("detector", {"detector": "nope"}),
                       ("min_severity", {"min_severity": 7}), ("since_unix_ms", {"since_unix_ms": -1})]:
         expect(grpc.StatusCode.INVALID_ARGUMENT, field, monitor.list_alerts, **kw)
+    assert monitor.list_steps("no-such-job") == []
+    for field, kw in [("job_id", {"job_id": ""}), ("last", {"job_id": "j", "last": -1}),
+                      ("last", {"job_id": "j", "last": 10_001})]:
+        expect(grpc.StatusCode.INVALID_ARGUMENT, field, monitor.list_steps, **kw)
     for name, addr in addrs.items():
         assert check_health(addr) == "SERVING", name
 

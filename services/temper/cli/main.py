@@ -118,7 +118,8 @@ def cmd_monitor(args) -> int:
     if args.json:
         print(monitor.to_json(fetch()))
         return 0
-    console = Console()
+    # a pipe or a file gets plain text, as wide as the tables need (rich would wrap them at 80 columns)
+    console = Console() if sys.stdout.isatty() or "COLUMNS" in os.environ else Console(width=200)
     if args.once:
         monitor.print_frame(fetch(), console)
         return 0

@@ -15,7 +15,8 @@ Two halves, kept apart so that each is testable alone:
 Figures and their units: rewards are means over a step's trajectories (the monitor's last closed
 scheduler step of the domain; "recent" is the scheduler's window); length is completion tokens;
 steps/min and tokens/s are over the last ``window`` learner steps (tokens trained per second of
-step wall time, sample + train + push); policy lag is in policy versions (the learner's last step:
+step wall time, sample + train + push; "train tok/s" is the last step's own rate, forward and
+backward passes only, every epoch); policy lag is in policy versions (the learner's last step:
 the version it updated from minus the mean / oldest version that generated its batch).
 """
 
@@ -270,12 +271,13 @@ def render(snap: Snapshot, plain: bool = False):
     ln, tp, rp = snap.learner, snap.throughput, snap.replay
     sig = ln.get("signals", {})
     t = table("training", "learner step", "policy", "lag (mean/max)", *[k for k in SIGNALS if k in sig],
-              "steps/min", "tokens/s", "replay size")
+              "steps/min", "tokens/s", "train tok/s", "replay size")
     lag = (f"{ln['policy_lag']:.2f}/{ln['policy_lag_max']:.0f}" if "policy_lag" in ln else "-") \
         + (f" (<= {j['max_policy_lag']})" if "max_policy_lag" in j else "")
     t.add_row(_f(ln.get("step"), "d"), f"v{ln['policy_version']}" if "policy_version" in ln else "-", lag,
               *[_f(sig[k], ".4g") for k in SIGNALS if k in sig], _f(tp.get("steps_per_minute"), ".1f"),
-              _f(tp.get("tokens_per_second"), ".0f"), _f(rp.get("size"), "d"))
+              _f(tp.get("tokens_per_second"), ".0f"), _f(tp.get("train_tokens_per_second"), ".0f"),
+              _f(rp.get("size"), "d"))
     parts.append(t)
 
     t = table(f"latest alerts ({len(snap.alerts)})", "step", "domain", "detector", "severity", "policy",
