@@ -217,6 +217,8 @@ def write_report(out_dir: Path, spec: JobSpec, config: dict, steps: list[common_
     }
     if followed is not None:
         summary["job_state"] = scheduler_pb2.JobState.Name(followed.status.state)
+        summary["steps_done"] = followed.status.steps_done  # the scheduler's counts (a resumed job's included)
+        summary["groups_published"] = followed.status.groups_published
         summary["pause_reason"] = followed.status.pause_reason
         summary["alerts"] = [MessageToDict(a, preserving_proto_field_name=True) for a in followed.alerts]
         summary["samples"] = {str(k): v for k, v in followed.samples.items()}
