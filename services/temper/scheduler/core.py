@@ -281,6 +281,13 @@ class Job:
             self.state = scheduler_pb2.JOB_STATE_STOPPED
             self.save()
 
+    def abandon(self, reason: str) -> None:
+        """A restored job that cannot continue (its thread never started): STOPPED with ``reason``, saved."""
+        self.state = scheduler_pb2.JOB_STATE_STOPPED
+        self.error = reason
+        _log.warning("saved job not resumed", job_id=self.spec.job_id, reason=reason)
+        self.save()
+
     def halt(self) -> None:
         """End the job's thread because this process is shutting down; its saved state stays RUNNING (or
         PAUSED), so the next scheduler on the same data dir resumes it."""

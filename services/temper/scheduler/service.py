@@ -42,7 +42,8 @@ class SchedulerService(Service[SchedulerConfig]):
         self.servicer = SchedulerServicer(self._make_job)
         stack.callback(self.servicer.stop_all)
         if self.store is not None:  # before the consumer: every outcome of a resumed job reaches it
-            resumed = self.servicer.resume_saved(self.store.jobs())
+            resumed = self.servicer.resume_saved(self.store.jobs(),
+                                                 kafka.messages_in(config.kafka_bootstrap, kafka.ROLLOUTS))
             if resumed:
                 _log.warning("resumed jobs a previous scheduler left unfinished", jobs=resumed)
         # outcomes: every scored group of a running job reaches its sampling policy (curriculum, weights)

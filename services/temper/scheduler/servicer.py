@@ -20,9 +20,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.make_job = make_job
         self.jobs: dict[str, Job] = {}
 
-    def resume_saved(self, saved: list[SavedJob]) -> list[str]:
+    def resume_saved(self, saved: list[SavedJob], rollouts_in_stream: int | None = None) -> list[str]:
         """Load the jobs a previous scheduler on this data dir saved; start again those it left running or
-        paused (returns their ids). A finished one answers GetJob, and its id stays taken."""
+        paused (returns their ids). A finished one answers GetJob, and its id stays taken.
+
+        ``rollouts_in_stream``: how many messages the `rollouts` topic has ever held. Fewer than an unfinished
+        job published means the broker is not the one it published to (a new stack on an old data dir: the
+        embedded broker keeps nothing), so its groups and the learner's progress on them are gone; such a job
+        is STOPPED, saying why, instead of waiting forever for versions no learner will reach."""
         resumed = []
         for s in saved:
             try:
@@ -31,9 +36,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 _log.exception("a saved job could not be restored; it is left out", job_id=s.spec.job_id)
                 continue
             self.jobs[s.spec.job_id] = job
-            if job.state in ACTIVE:
-                job.start()
-                resumed.append(s.spec.job_id)
+            if job.state not in ACTIVE:
+                continue
+            if rollouts_in_stream is not None and rollouts_in_stream < job.groups_published:
+                job.abandon(f"not resumed: the broker holds {rollouts_in_stream} rollouts, fewer than the "
+                            f"{job.groups_published} this job published (another broker: its stream is gone)")
+                continue
+            job.start()
+            resumed.append(s.spec.job_id)
         return resumed
 
     def StartJob(self, request, context):
