@@ -139,6 +139,47 @@ def test_kill_9_of_reward_mid_job_the_job_finishes_every_step(tmp_path):
     assert '"auth": "token"' in (home / "logs" / "reward.log").read_text()
 
 
+@pytest.mark.e2e
+def test_kill_9_of_the_scheduler_mid_job_the_job_resumes_and_trains_every_version_once(tmp_path):
+    """A real job on the tiny model; the scheduler is SIGKILLed at step 3. The supervisor restarts it; the new
+    scheduler resumes the job from its saved state (jobs.sqlite), the CLI's follow loop waits out the minutes
+    the scheduler was unavailable, and the job finishes: every policy version 1..N trained exactly once on a
+    whole step's samples, no step generated twice, no evaluation repeated, nothing counted twice."""
+    home, runs = tmp_path / "home", tmp_path / "runs"
+    steps = 12
+    config = _config(tmp_path, "backoff_seconds = 0.2", base=jobs.path("toy").read_text())
+    with open(tmp_path / "run.out", "w") as out:
+        run = subprocess.Popen([*TEMPER, "--home", str(home), "--config", config, "run", "--steps", str(steps),
+                                "--runs", str(runs)], stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until(lambda: "step    3" in (tmp_path / "run.out").read_text() or run.poll() is not None, 300,
+                   interval=0.2, what="step 3")
+        victim = _status(home)["scheduler"]
+        os.kill(victim["pid"], signal.SIGKILL)
+        restarted = wait_until(lambda: (r := _status(home).get("scheduler", {})).get("restarts") == 1 and r
+                               or run.poll() is not None, 300, interval=0.2, what="scheduler restarted")
+        assert run.wait(600) == 0, (tmp_path / "run.out").read_text()[-3000:]
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+            Launcher(home=home).down()
+    assert restarted is not True, "the job ended before status showed the restart"
+    assert restarted["last_exit"] == "killed by SIGKILL" and restarted["pid"] != victim["pid"]
+    assert "job resumed from its saved state" in (home / "logs" / "scheduler.log").read_text()
+    summary = json.loads((runs / "latest" / "summary.json").read_text())
+    job = summary["job"]
+    n = job["prompts_per_step"]
+    assert [s["policy_version"] for s in summary["steps"]] == list(range(1, steps + 1))
+    assert all(s["samples"] == n * job["group_size"] for s in summary["steps"])
+    assert summary["job_state"] == "JOB_STATE_DONE"
+    assert (summary["steps_done"], summary["groups_published"]) == (steps, steps * n)
+    sampling = summary["sampling"]
+    assert sum(d["drawn"] for d in sampling["domains"]) == steps * n  # the interrupted step's draws count once
+    assert sum(d["groups"] for d in sampling["domains"]) == sampling["groups_scored"] <= steps * n
+    assert [e["phase"] for e in summary["eval"]["evals"]] == ["before", "final"]
+
+
 @pytest.mark.slow
 def test_temper_restart_sees_an_unreaped_dead_child_as_dead(tmp_path):
     """Without supervision the killed child stays a zombie of the process that ran `up`: `temper restart` from

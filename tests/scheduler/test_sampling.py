@@ -176,7 +176,7 @@ def test_a_knob_set_by_both_domain_config_and_the_curriculum_is_refused():
 
 
 def test_start_job_refuses_a_bad_sampling_table_naming_the_field():
-    servicer = SchedulerServicer(lambda spec: pytest.fail("no job may start"))
+    servicer = SchedulerServicer(lambda spec, resumed: pytest.fail("no job may start"))
     bad = JobSpec(domains=["toy.copy"], sampling={"weights": {"toy.copy": -2}}).to_proto()
     with pytest.raises(InvalidArgument) as e:
         servicer.StartJob(scheduler_pb2.StartJobRequest(spec=bad), None)

@@ -3,6 +3,12 @@
 A job the monitor pauses (a detector's policy) ends the run early: the report then holds the
 steps so far, the monitor's alerts and, for each scheduler step, a few scored samples, so what
 the policy was learning can be read next to the alert.
+
+A scheduler that is briefly down (crashed, restarted by the supervisor, resuming the job from its
+saved state) does not end the follow: while GetJob answers UNAVAILABLE the loop keeps reading the
+learner's metrics, for at most ``unavailable_seconds`` in a row. A scheduler the supervisor gave up
+on fails the job through ``check`` (the launcher's ``raise_if_failed``), and one that comes back
+without the job (``[scheduler] persist_jobs = false``) fails it naming that.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import grpc
 from google.protobuf.json_format import MessageToDict
 
 from kafka import KafkaConsumer
@@ -26,6 +33,7 @@ from temper.v1 import common_pb2, scheduler_pb2
 
 
 SAMPLES_PER_STEP = 4
+UNAVAILABLE_SECONDS = 180.0  # > the supervisor's default backoffs in a row (1 + 2 + 4 + 8 + 16 s) plus start-ups
 
 
 @dataclass
@@ -46,10 +54,12 @@ def _sample(group: common_pb2.RolloutGroup, t: common_pb2.Trajectory) -> dict:
             "components": {c.name: c.value for c in t.reward.components}}
 
 
-def follow_job(state: State, spec: JobSpec, timeout: float, echo=print, check=None) -> Followed:
+def follow_job(state: State, spec: JobSpec, timeout: float, echo=print, check=None,
+               unavailable_seconds: float = UNAVAILABLE_SECONDS) -> Followed:
     """Submit ``spec``; follow the learner's StepMetrics until the job is DONE (every step in, final evaluation
     taken) or paused; the status carries the job's evaluations. ``check()``, called every half second, may
-    raise to end the job (the launcher's ``raise_if_failed``: a service the supervisor gave up on)."""
+    raise to end the job (the launcher's ``raise_if_failed``: a service the supervisor gave up on). The
+    scheduler may be unavailable for up to ``unavailable_seconds`` in a row (module docstring)."""
     consumer = KafkaConsumer(bootstrap_servers=state.kafka_bootstrap, group_id=None, enable_auto_commit=False,
                              fetch_max_wait_ms=100)
     tp, tp_scored = TopicPartition(kafka.METRICS, 0), TopicPartition(kafka.SCORED, 0)
@@ -63,6 +73,7 @@ def follow_job(state: State, spec: JobSpec, timeout: float, echo=print, check=No
     steps: dict[int, common_pb2.StepMetrics] = {}
     samples: dict[int, list[dict]] = {}
     evals_seen = 0
+    unavailable_since: float | None = None
     deadline = time.monotonic() + timeout
     bar = tqdm(total=spec.steps, desc="steps", unit="step", dynamic_ncols=True)
     try:
@@ -90,7 +101,27 @@ def follow_job(state: State, spec: JobSpec, timeout: float, echo=print, check=No
                                f"samples {m.samples}  {m.values.get('tokens_per_second', 0.0):.0f} train tok/s  "
                                f"{m.seconds:.2f}s  "
                                + "  ".join(f"{d} {v:.2f}" for d, v in sorted(m.domain_mean_reward.items())))
-            status = job = scheduler.job(job_id)
+            try:
+                job = scheduler.job(job_id)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.NOT_FOUND:
+                    raise RuntimeError(f"job {job_id}: the scheduler no longer knows it (restarted without its "
+                                       "saved state? [scheduler] persist_jobs)") from None
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                now = time.monotonic()
+                if unavailable_since is None:
+                    unavailable_since = now
+                    tqdm.write(f"scheduler unavailable ({e.details()}); waiting up to {unavailable_seconds:.0f}s")
+                elif now - unavailable_since > unavailable_seconds:
+                    raise RuntimeError(f"job {job_id}: the scheduler has been unavailable for "
+                                       f"{now - unavailable_since:.0f}s: {e.details()}") from None
+                continue
+            if unavailable_since is not None:
+                tqdm.write(f"scheduler back after {time.monotonic() - unavailable_since:.1f}s: job {job_id} "
+                           f"{scheduler_pb2.JobState.Name(job.state)} at step {job.steps_done}")
+                unavailable_since = None
+            status = job
             if status.state == scheduler_pb2.JOB_STATE_PAUSED:
                 tqdm.write(f"job {job_id} PAUSED: {status.pause_reason}")
                 break
@@ -114,6 +145,18 @@ def follow_job(state: State, spec: JobSpec, timeout: float, echo=print, check=No
             echo(f"ALERT {a.detector} [{a.domain}] step {a.step}: {a.message} -> {a.action_result or 'warned'}")
     return Followed([steps[k] for k in sorted(steps)][:spec.steps], status, alerts,
                     {k: v for k, v in sorted(samples.items()) if v})
+
+
+def end_job(state: State, job_id: str) -> None:
+    """Stop ``job_id`` if it is still running or paused (best effort: the scheduler may be gone). ``temper run``
+    calls this before it takes its stack down, so the scheduler's saved state holds the job as ended."""
+    if "scheduler" not in state.services:
+        return
+    try:
+        with SchedulerClient(state.services["scheduler"].address, timeout=30) as scheduler:
+            scheduler.stop_job(job_id)
+    except grpc.RpcError:
+        pass  # not found (never started), or the scheduler is down: nothing to resume it from this run
 
 
 def eval_summary(evals) -> dict:
@@ -174,6 +217,8 @@ def write_report(out_dir: Path, spec: JobSpec, config: dict, steps: list[common_
     }
     if followed is not None:
         summary["job_state"] = scheduler_pb2.JobState.Name(followed.status.state)
+        summary["steps_done"] = followed.status.steps_done  # the scheduler's counts (a resumed job's included)
+        summary["groups_published"] = followed.status.groups_published
         summary["pause_reason"] = followed.status.pause_reason
         summary["alerts"] = [MessageToDict(a, preserving_proto_field_name=True) for a in followed.alerts]
         summary["samples"] = {str(k): v for k, v in followed.samples.items()}

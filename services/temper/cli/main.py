@@ -168,7 +168,9 @@ def cmd_config_show(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from temper.cli.job import follow_job, write_report
+    import uuid
+
+    from temper.cli.job import end_job, follow_job, write_report
     from temper.client.sdk import LearnerClient
 
     plan = _plan(args)  # every check of the run, before anything starts (the same for --dry-run)
@@ -178,6 +180,7 @@ def cmd_run(args) -> int:
         print(render_plan(plan))
         return 0
     launcher, config, spec, model = _launcher(args), plan.table, plan.spec, plan.model
+    spec.job_id = spec.job_id or f"job-{uuid.uuid4().hex[:8]}"  # known here, so the job ends with this run
     out = (Path(args.runs) / time.strftime("%Y%m%d-%H%M%S")).resolve()
     t0 = time.monotonic()
     print(f"starting Temper ({', '.join(SERVICES)}) with {model.dir} ...", flush=True)
@@ -195,6 +198,7 @@ def cmd_run(args) -> int:
         with LearnerClient(state.services["learner"].address) as learner:
             exported = learner.export_policy(str(out / "policy"), timeout=600)
     finally:
+        end_job(state, spec.job_id)  # paused or interrupted: its saved state must not resume in a later stack
         launcher.down()
     out = write_report(out, spec, config, steps, wall, followed,
                        extra={"model_dir": str(model.dir), "up_seconds": up_seconds,

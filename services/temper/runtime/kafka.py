@@ -65,6 +65,18 @@ def ensure_topics(bootstrap: str, topics: tuple[str, ...] = ALL_TOPICS, partitio
         admin.close()
 
 
+def messages_in(bootstrap: str, topic: str) -> int:
+    """How many messages ``topic`` has ever held: the sum of its partitions' end offsets (0 for a topic the
+    broker does not have). Offsets only grow on one broker, so a count below what a producer knows it
+    published there means this is another broker (a new embedded one starts empty)."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False)
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+        return sum(consumer.end_offsets(tps).values()) if tps else 0
+    finally:
+        consumer.close()
+
+
 class ProtoProducer:
     """Publishes protobuf messages with the current trace context in the headers."""
 

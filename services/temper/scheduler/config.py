@@ -20,3 +20,7 @@ class SchedulerConfig(ServiceConfig):
                                                              "acknowledgement")
     consumer_group: str = Field("temper-scheduler", description="Kafka consumer group of the `scored` stream, from "
                                                                 "which a job's sampling policy learns its outcomes")
+    persist_jobs: bool = Field(True, description="keep each job's state (spec, steps done, counters, sampling state, "
+                                                 "evaluations) in <data_dir>/jobs.sqlite, so a scheduler restarted "
+                                                 "after a crash resumes its unfinished job; false: jobs live in "
+                                                 "memory only")

@@ -9,6 +9,26 @@ Evaluation (``JobSpec.eval``): held-out sets per domain (``evaluation.EvalSets``
 training draws by prompt, answered greedily before the first step, whenever the serving version
 reaches a multiple of ``eval.every``, and once the job's last version is served; the results are
 in the job's status. The job is DONE after the final evaluation.
+
+Durable job state (``Job(journal=...)``; the scheduler's sqlite file is ``temper.scheduler.store``):
+the journal gets the job's checkpoint (``Job.checkpoint()``: state, steps done, the policy version the
+job started from, counters, the draw RNG, the sampling policy's learned state, evaluations) when the job
+is accepted, after every step it published, and at every change of state; and every outcome from the
+`scored` stream is recorded there, once per group id, before the sampling policy learns it. A
+scheduler that starts again restores the job from its last checkpoint plus the outcomes recorded after
+it (``Job.restore``) and continues with the first step it had not finished publishing:
+
+- a step finished before the crash is never generated again; when the serving policy version shows
+  that the learner already trained on more steps than the checkpoint says (killed between the last
+  publish and the checkpoint), those are taken as done too;
+- the step that was being published when the scheduler died is generated again from its start. Its
+  groups keep their ids (``<job>/s<step>/p<i>``, drawn afresh, so their content may differ): where an
+  earlier copy of an id was already published, replay stores the first copy only (it keys groups by
+  id) and the outcome journal learns it once, so the learner trains on exactly ``prompts_per_step``
+  groups of that step and nothing is counted twice. With dynamic sampling the regenerated step may
+  keep other prompts than the first attempt did, so that one step can carry more than
+  ``prompts_per_step`` distinct ids;
+- counters come back as they were at the checkpoint, so the regenerated step counts once.
 """
 
 from __future__ import annotations
@@ -23,6 +43,9 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
+
+from google.protobuf import json_format
 
 from temper import tasks
 from temper.runtime.errors import FailedPrecondition, InvalidArgument, require
@@ -176,6 +199,22 @@ def _json_table(text: str, field_name: str) -> dict:
     return table
 
 
+class JobJournal(Protocol):
+    """Where a job's durable state goes (``temper.scheduler.store.JobStore``)."""
+
+    def save(self, spec: JobSpec, checkpoint: dict) -> None:
+        """Replace the job's checkpoint, atomically; durable when it returns."""
+
+    def record_outcome(self, job_id: str, group_id: str, outcome: dict) -> int | None:
+        """Record one scored group's outcome, durably; its sequence number, or None if that group id was
+        recorded before (a redelivery, or a regenerated copy of a group: it is not learned again)."""
+
+
+ACTIVE = (scheduler_pb2.JOB_STATE_RUNNING, scheduler_pb2.JOB_STATE_PAUSED)  # the states a restarted scheduler resumes
+COUNTERS = ("steps_done", "groups_published", "draws_skipped", "groups_scored", "zero_variance_dropped",
+            "refill_groups", "unfilled_groups")
+
+
 class Job:
     """Runs one job on a thread of its own.
 
@@ -183,15 +222,17 @@ class Job:
     the group is durably in the `rollouts` topic; ``policy_version()`` reads the serving version.
     With evaluation, ``greedy(prompts, max_tokens)`` answers held-out prompts at temperature 0 and
     ``score(group)`` scores a group synchronously (the reward service). The held-out sets are built
-    (and checked) here, so a bad one refuses the job before any work.
+    (and checked) here, so a bad one refuses the job before any work. ``journal`` keeps the job's state
+    durable (module docstring); without one the job lives in memory only.
     """
 
     def __init__(self, spec: JobSpec, generate: Callable[[list[str], JobSpec, int], inference_pb2.GenerateResponse],
                  publish: Callable[[common_pb2.RolloutGroup], None], policy_version: Callable[[], int],
                  greedy: Callable[[list[str], int], inference_pb2.GenerateResponse] | None = None,
                  score: Callable[[common_pb2.RolloutGroup], common_pb2.RolloutGroup] | None = None,
-                 final_eval_wait_seconds: float = 3600.0):
+                 final_eval_wait_seconds: float = 3600.0, journal: JobJournal | None = None):
         self.spec = spec
+        self._journal = journal
         self._generate = generate
         self._publish = publish
         self._policy_version = policy_version
@@ -205,6 +246,7 @@ class Job:
         self._final_eval_wait = final_eval_wait_seconds
         self.sampling = SamplingPolicy(spec.sampling_config, spec.domains, spec.domain_config)
         self._lock = threading.Lock()  # the sampling state: drawn on the job's thread, learned on the consumer's
+        self._save_lock = threading.Lock()
         self.groups_scored = 0
         self.zero_variance_dropped = 0
         self.refill_groups = 0
@@ -218,7 +260,10 @@ class Job:
         self.pause_reason = ""
         self._next_eval: int | None = None  # the serving version at which the next periodic evaluation is due
         self._final_version = 0
+        self.start_version: int | None = None  # the serving policy version when the job started (None: not yet)
+        self._outcomes_seq = 0  # the last journal outcome the sampling policy learned
         self._stop = threading.Event()
+        self._halting = False  # the process is going away: the job's state stays as it is, to be resumed
         self._resume = threading.Event()  # clear while paused: the loop holds before its next step
         self._resume.set()
         self._rng = random.Random(spec.seed)
@@ -230,11 +275,30 @@ class Job:
         return self
 
     def stop(self) -> None:
+        """End the job for good (StopJob): it is STOPPED, and a restarted scheduler does not resume it."""
+        self._end_thread()
+        if self.state in ACTIVE:
+            self.state = scheduler_pb2.JOB_STATE_STOPPED
+            self.save()
+
+    def abandon(self, reason: str) -> None:
+        """A restored job that cannot continue (its thread never started): STOPPED with ``reason``, saved."""
+        self.state = scheduler_pb2.JOB_STATE_STOPPED
+        self.error = reason
+        _log.warning("saved job not resumed", job_id=self.spec.job_id, reason=reason)
+        self.save()
+
+    def halt(self) -> None:
+        """End the job's thread because this process is shutting down; its saved state stays RUNNING (or
+        PAUSED), so the next scheduler on the same data dir resumes it."""
+        self._halting = True
+        self._end_thread()
+
+    def _end_thread(self) -> None:
         self._stop.set()
         self._resume.set()
-        self._thread.join(30)
-        if self.state in (scheduler_pb2.JOB_STATE_RUNNING, scheduler_pb2.JOB_STATE_PAUSED):
-            self.state = scheduler_pb2.JOB_STATE_STOPPED
+        if self._thread.is_alive():
+            self._thread.join(30)
 
     def pause(self, reason: str = "") -> None:
         """Hold the job before its next step; the step in flight (if any) finishes and is published."""
@@ -244,6 +308,7 @@ class Job:
         self._resume.clear()
         self.state = scheduler_pb2.JOB_STATE_PAUSED
         self.pause_reason = reason
+        self.save()
         _log.warning("job paused", job_id=self.spec.job_id, reason=reason)
 
     def resume(self) -> None:
@@ -252,6 +317,7 @@ class Job:
                                      field="job_id")
         self.state = scheduler_pb2.JOB_STATE_RUNNING
         self.pause_reason = ""
+        self.save()
         self._resume.set()
         _log.info("job resumed", job_id=self.spec.job_id)
 
@@ -266,13 +332,19 @@ class Job:
 
     def _run(self) -> None:
         try:
-            start_version = self._policy_version()
-            if self.eval_sets is not None:
-                self._evaluate("before")
-                every = self.spec.eval.every
-                self._next_eval = start_version + every if every > 0 else None
-                self._final_version = start_version + self.spec.steps
-            for step in range(self.spec.steps):
+            if self.start_version is None:  # a new job (or one that crashed before its first evaluation ended)
+                start_version = self._policy_version()
+                if self.eval_sets is not None:
+                    self._evaluate("before")
+                    every = self.spec.eval.every
+                    self._next_eval = start_version + every if every > 0 else None
+                    self._final_version = start_version + self.spec.steps
+                self.start_version = start_version
+                self.save()
+            else:
+                self._catch_up()
+            start_version = self.start_version
+            for step in range(self.steps_done, self.spec.steps):
                 self._resume.wait()
                 if self._stop.is_set():
                     return
@@ -280,6 +352,7 @@ class Job:
                     return
                 self.run_step(step)
                 self.steps_done = step + 1
+                self.save()
             if self.eval_sets is not None:
                 # the learner's last update: one version per step after the job's first
                 last = start_version + self.spec.steps
@@ -290,10 +363,32 @@ class Job:
                                  expected=last, serving=self._policy_version())
                 self._evaluate("final")
             self.state = scheduler_pb2.JOB_STATE_DONE
+            self.save()
         except Exception as e:  # noqa: BLE001 - the job fails, the service keeps serving
+            if self._halting:  # a client closed under it at shutdown: not the job's failure; it resumes
+                _log.warning("job halted mid-step", job_id=self.spec.job_id, error=f"{type(e).__name__}: {e}")
+                return
             _log.exception("job failed", job_id=self.spec.job_id)
             self.error = f"{type(e).__name__}: {e}"
             self.state = scheduler_pb2.JOB_STATE_FAILED
+            try:
+                self.save()
+            except Exception:  # noqa: BLE001 - the failure is what matters; a resumed copy would fail again
+                _log.exception("saving the failed job's state failed", job_id=self.spec.job_id)
+
+    def _catch_up(self) -> None:
+        """A resumed job: steps the learner has already trained on count as done (see the module docstring)."""
+        trained = min(self._policy_version() - self.start_version, self.spec.steps)
+        if trained > self.steps_done:
+            _log.warning("resumed behind the learner: counting its trained steps as done", job_id=self.spec.job_id,
+                         checkpoint_steps=self.steps_done, trained_steps=trained)
+            # they were published whole (the learner trains a step's groups only once all are in)
+            self.groups_published += (trained - self.steps_done) * self.spec.prompts_per_step
+            self.steps_done = trained
+            self.save()
+        _log.info("job resumed from its saved state", job_id=self.spec.job_id, steps_done=self.steps_done,
+                  steps=self.spec.steps, start_version=self.start_version,
+                  state=scheduler_pb2.JobState.Name(self.state))
 
     def _wait_for_policy(self, version: int, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -405,8 +500,10 @@ class Job:
                 self._publish(group)
                 self.groups_published += 1
 
-    def _observe(self, group: common_pb2.RolloutGroup) -> list[float] | None:
-        """Learn one scored group's outcome; its OK rewards (None when none is OK: the learner drops it)."""
+    @staticmethod
+    def _outcome(group: common_pb2.RolloutGroup) -> dict | None:
+        """What the sampling policy learns from a scored group, as plain data (None when no reward is OK:
+        the learner drops such a group)."""
         rewards = [t.reward.total for t in group.trajectories if t.reward.status == common_pb2.REWARD_STATUS_OK]
         if not rewards:
             return None
@@ -414,16 +511,82 @@ class Job:
             level = int(group.task.metadata.get(DIFFICULTY_KEY, "0"))
         except ValueError:
             level = -1  # never counts toward a level's window
+        return {"domain": group.task.domain, "level": level, "prompt": group.task.prompt, "rewards": rewards}
+
+    def _learn(self, outcome: dict) -> None:
+        """(Under ``self._lock``.)"""
+        self.sampling.observe(outcome["domain"], outcome["level"], outcome["prompt"], outcome["rewards"])
+        self.groups_scored += 1
+
+    def _observe(self, group: common_pb2.RolloutGroup) -> list[float] | None:
+        """Learn one group the job scored itself (dynamic sampling); its OK rewards (None when none is OK)."""
+        outcome = self._outcome(group)
+        if outcome is None:
+            return None
         with self._lock:
-            self.sampling.observe(group.task.domain, level, group.task.prompt, rewards)
-            self.groups_scored += 1
-        return rewards
+            self._learn(outcome)
+        return outcome["rewards"]
 
     def observe_scored(self, group: common_pb2.RolloutGroup) -> None:
         """A group of this job from the `scored` stream. With dynamic sampling the job scored (and learned)
-        its groups itself before publishing them, so the stream's copy is not counted twice."""
-        if group.job_id == self.spec.job_id and self.sampling.config.dynamic_sampling is None:
-            self._observe(group)
+        its groups itself before publishing them, so the stream's copy is not counted twice. With a journal
+        a group id is learned once: a redelivery, or a regenerated copy of a group, is not learned again."""
+        if group.job_id != self.spec.job_id or self.sampling.config.dynamic_sampling is not None:
+            return
+        outcome = self._outcome(group)
+        if outcome is None:
+            return
+        with self._lock:
+            if self._journal is not None:
+                seq = self._journal.record_outcome(self.spec.job_id, group.group_id, outcome)
+                if seq is None:
+                    return
+                self._outcomes_seq = seq
+            self._learn(outcome)
+
+    # --- durable state --------------------------------------------------------------------------
+
+    def checkpoint(self) -> dict:
+        """Everything a restarted scheduler needs to continue the job, as JSON-ready plain data."""
+        with self._lock:
+            version, internal, gauss = self._rng.getstate()
+            return {"state": int(self.state), "error": self.error, "pause_reason": self.pause_reason,
+                    "start_version": self.start_version, "next_eval": self._next_eval,
+                    "final_version": self._final_version, **{k: getattr(self, k) for k in COUNTERS},
+                    "rng": [version, list(internal), gauss], "sampling": self.sampling.state(),
+                    "outcomes_seq": self._outcomes_seq,
+                    "evals": [json_format.MessageToDict(e) for e in self.evals]}
+
+    def restore(self, checkpoint: dict, outcomes: list[tuple[int, dict]] = ()) -> Job:
+        """The job as ``checkpoint`` left it, then the journal's ``(seq, outcome)`` recorded after it learned
+        (the thread is not started)."""
+        with self._lock:
+            self.state = int(checkpoint["state"])
+            self.error = checkpoint.get("error", "")
+            self.pause_reason = checkpoint.get("pause_reason", "")
+            self.start_version = checkpoint.get("start_version")
+            self._next_eval = checkpoint.get("next_eval")
+            self._final_version = int(checkpoint.get("final_version", 0))
+            for key in COUNTERS:
+                setattr(self, key, int(checkpoint.get(key, 0)))
+            version, internal, gauss = checkpoint["rng"]
+            self._rng.setstate((version, tuple(internal), gauss))
+            self.sampling.load_state(checkpoint.get("sampling", {}))
+            self.evals = [json_format.ParseDict(e, scheduler_pb2.EvalResult()) for e in checkpoint.get("evals", [])]
+            self._outcomes_seq = int(checkpoint.get("outcomes_seq", 0))
+            for seq, outcome in outcomes:
+                if seq > self._outcomes_seq:
+                    self._learn(outcome)
+                    self._outcomes_seq = seq
+        if self.state == scheduler_pb2.JOB_STATE_PAUSED:
+            self._resume.clear()
+        return self
+
+    def save(self) -> None:
+        """Write the job's checkpoint to its journal (if it has one)."""
+        if self._journal is not None:
+            with self._save_lock:  # checkpoint and write as one: a pause never overtakes a step's save
+                self._journal.save(self.spec, self.checkpoint())
 
     def sampling_state(self) -> dict:
         """The job's learned sampling state and counters as plain data (what a checkpoint of the job holds)."""

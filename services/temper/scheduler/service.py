@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 from contextlib import ExitStack
+from pathlib import Path
 
 from temper.client.sdk import InferenceClient, RewardClient
 from temper.runtime import kafka
+from temper.runtime.logs import get_logger
 from temper.runtime.rpc import client
 from temper.runtime.service import Service
 from temper.scheduler.config import SchedulerConfig
 from temper.scheduler.core import Job, JobSpec
 from temper.scheduler.evaluation import check_scorable
 from temper.scheduler.servicer import SchedulerServicer
+from temper.scheduler.store import JobStore
 from temper.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+_log = get_logger(component="scheduler")
 
 
 class SchedulerService(Service[SchedulerConfig]):
@@ -30,14 +35,23 @@ class SchedulerService(Service[SchedulerConfig]):
         kafka.ensure_topics(config.kafka_bootstrap)
         self.producer = kafka.ProtoProducer(config.kafka_bootstrap, client_id="temper-scheduler")
         stack.callback(self.producer.close)
+        self.store = None
+        if config.persist_jobs:  # durable job state (temper.scheduler.store); closed after the jobs stop
+            self.store = JobStore(Path(config.data_dir) / "jobs.sqlite")
+            stack.callback(self.store.close)
         self.servicer = SchedulerServicer(self._make_job)
         stack.callback(self.servicer.stop_all)
+        if self.store is not None:  # before the consumer: every outcome of a resumed job reaches it
+            resumed = self.servicer.resume_saved(self.store.jobs(),
+                                                 kafka.messages_in(config.kafka_bootstrap, kafka.ROLLOUTS))
+            if resumed:
+                _log.warning("resumed jobs a previous scheduler left unfinished", jobs=resumed)
         # outcomes: every scored group of a running job reaches its sampling policy (curriculum, weights)
         self.consumer = kafka.ProtoConsumer(config.kafka_bootstrap, kafka.SCORED, config.consumer_group,
                                             common_pb2.RolloutGroup, self.servicer.observe_scored).start()
         stack.callback(self.consumer.stop)
 
-    def _make_job(self, spec: JobSpec) -> Job:
+    def _make_job(self, spec: JobSpec, resumed: bool = False) -> Job:
         inference, evaluator, reward, config = self.inference, self.evaluator, self.reward, self.config
 
         def generate(prompts, s: JobSpec, seed: int):
@@ -51,10 +65,11 @@ class SchedulerService(Service[SchedulerConfig]):
         def publish(group):
             self.producer.send(kafka.ROLLOUTS, group.group_id, group).get(config.publish_timeout_seconds)
 
-        if spec.eval.size > 0 and reward is not None:  # before any work: every evaluated domain is scorable
+        # before any work (once, when the job is accepted): every evaluated domain is scorable
+        if spec.eval.size > 0 and reward is not None and not resumed:
             check_scorable(spec.domains, [d for d in spec.eval_domains if d not in spec.domains], reward.list_domains())
         return Job(spec, generate, publish, inference.policy_version, greedy=greedy if reward else None,
-                   score=reward.score if reward else None)
+                   score=reward.score if reward else None, journal=self.store)
 
     def checks(self):
         return [lambda: self.consumer.alive]
