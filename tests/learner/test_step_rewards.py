@@ -127,3 +127,17 @@ def test_step_ends_with_a_byte_level_bpe_tokenizer():
             done = "".join(steps[:i + 1])
             assert tok.tokenizer.decode(token_ids[:k + 1]).startswith(done)
             assert not tok.tokenizer.decode(token_ids[:k]).startswith(done)
+
+
+def test_gae_step_trains_policy_and_critic_on_step_rewards(tmp_path):
+    trainer = Trainer(build_tiny_model(tmp_path / "m", seed=0), TrainerConfig(advantage="gae_step", epochs=1))
+    assert trainer.critic is not None and trainer.step_tokens is not None
+    tok = trainer.step_tokens
+    group = common_pb2.RolloutGroup(group_id="g", job_id="j", trajectories=[
+        traj("7 3", tok, 0.5, steps=[1.0, 0.0], ends=[1, 3]), traj("2", tok, 0.0)])
+    batch = batch_from_groups([group], step_tokens=tok)
+    v = trainer.step(batch)
+    # the critic starts at 0 (zero head) and gamma = 1: returns are each token's rewards still ahead:
+    # 1, 0, 0 for "7 3 <eos>" (step 1 ends at token 0), and the fallback total 0 for "2 <eos>"
+    assert v["return_mean"] == pytest.approx(1 / 5, abs=1e-6)
+    assert v["step_reward_trajectories"] == 1 and v["step_rewards"] == 2 and v["value_loss"] > 0

@@ -48,8 +48,8 @@ from temper.learner import algos, logprobs
 from temper.learner.algos import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, NEEDS_CRITIC, NEEDS_STEPS, POLICY_LOSSES,
                                   Aggregation)
 from temper.learner.batching import Batch, ModelInputs, batch_from_groups, micro_batches
-from temper.learner.steps import StepTokens
 from temper.learner.schedules import KLController, LRController
+from temper.learner.steps import StepTokens
 from temper.runtime.errors import InvalidArgument
 
 __all__ = ["Batch", "Trainer", "TrainerConfig", "batch_from_groups"]
