@@ -110,6 +110,68 @@ def test_registered_gae_whitens_advantages_and_needs_values():
 
 # -- aggregation --------------------------------------------------------------------------------
 
+def test_process_grpo_normalises_step_rewards_over_the_group_and_sums_the_steps_still_ahead():
+    # group 0: seq A (3 tokens) steps 1 (ends at token 0) and 0 (ends at token 2); seq B (2 tokens) has no
+    # step rewards: its total 0 is one step ending at its last token. Group steps 1, 0, 0: mean 1/3,
+    # std sqrt(2)/3 -> 1 -> +sqrt(2), 0 -> -1/sqrt(2). A's token 0 sees both steps: sqrt(2) - 1/sqrt(2) =
+    # 1/sqrt(2); its tokens 1, 2 only the second; B's tokens its one step.
+    # group 1: seq C (2 tokens) steps 0.5, 0.5 at tokens 0, 1; seq D (1 token) step 0.5: all equal -> 0.
+    x = AdvantageInputs(torch.tensor([0.7, 0.0, 0.9, 0.1]), torch.tensor([0, 0, 1, 1]), torch.tensor([3, 2, 2, 1]),
+                        step_rewards=torch.tensor([1.0, 0.0, 0.5, 0.5, 0.5]),
+                        step_seq=torch.tensor([0, 0, 2, 2, 3]), step_ends=torch.tensor([0, 2, 0, 1, 0]))
+    adv, returns = ADVANTAGE_ESTIMATORS["process_grpo"](x, eps=1e-12)
+    assert returns is None
+    h = 1 / math.sqrt(2)
+    assert close(adv, [h, -h, -h, -h, -h, 0.0, 0.0, 0.0], 1e-5)
+
+
+def test_process_grpo_steps_ending_at_one_token_add_and_later_tokens_see_only_later_steps():
+    # one group, one sequence of 4 tokens with steps 3, 1 (both end at token 1) and 2 (ends at token 3), and a
+    # 1-token sequence with steps 0 and 2 at token 0. Group steps 3, 1, 2, 0, 2: mean 1.6, std sqrt(1.04):
+    # normalised 1.4, -0.6, 0.4, -1.6, 0.4 (/ sqrt(1.04)). Tokens 0, 1: 1.4 - 0.6 + 0.4 = 1.2; tokens 2, 3: 0.4;
+    # the short sequence: -1.6 + 0.4 = -1.2.
+    x = AdvantageInputs(torch.tensor([0.0, 0.0]), torch.tensor([0, 0]), torch.tensor([4, 1]),
+                        step_rewards=torch.tensor([3.0, 1.0, 2.0, 0.0, 2.0]),
+                        step_seq=torch.tensor([0, 0, 0, 1, 1]), step_ends=torch.tensor([1, 1, 3, 0, 0]))
+    adv, _ = ADVANTAGE_ESTIMATORS["process_grpo"](x, eps=1e-12)
+    s = math.sqrt(1.04)
+    assert close(adv, [1.2 / s, 1.2 / s, 0.4 / s, 0.4 / s, -1.2 / s], 1e-5)
+
+
+def test_process_grpo_without_step_rewards_is_grpo():
+    g = torch.Generator().manual_seed(3)
+    rewards = torch.rand(7, generator=g)
+    x = AdvantageInputs(rewards, torch.tensor([0, 0, 0, 1, 1, 2, 2]), torch.tensor([2, 3, 1, 4, 2, 1, 5]))
+    assert close(ADVANTAGE_ESTIMATORS["process_grpo"](x)[0], ADVANTAGE_ESTIMATORS["grpo"](x)[0], 1e-6)
+
+
+def test_gae_step_puts_step_rewards_at_their_last_tokens():
+    # seq 0: V = 0.5, 0.6, 0.7, steps 0.2 at token 0 and 1.0 at token 2, KL token reward -0.1 at token 0;
+    # seq 1 (1 token, V = 0.4) has no step rewards: its total 1 at its last token. gamma 0.9, lambda 0.8:
+    # delta_2 = 1 - 0.7 = 0.3; delta_1 = 0.9 * 0.7 - 0.6 = 0.03; delta_0 = 0.2 - 0.1 + 0.9 * 0.6 - 0.5 = 0.14
+    # A_2 = 0.3; A_1 = 0.03 + 0.72 * 0.3 = 0.246; A_0 = 0.14 + 0.72 * 0.246 = 0.31712; seq 1: A = 1 - 0.4 = 0.6
+    x = AdvantageInputs(torch.tensor([0.0, 1.0]), torch.tensor([0, 1]), torch.tensor([3, 1]),
+                        token_rewards=torch.tensor([-0.1, 0.0, 0.0, 0.0]), values=torch.tensor([0.5, 0.6, 0.7, 0.4]),
+                        step_rewards=torch.tensor([0.2, 1.0]), step_seq=torch.tensor([0, 0]),
+                        step_ends=torch.tensor([0, 2]))
+    adv, returns = ADVANTAGE_ESTIMATORS["gae_step"](x, gamma=0.9, lam=0.8, eps=1e-12)
+    raw = torch.tensor([0.31712, 0.246, 0.3, 0.6])
+    assert close(returns, [0.81712, 0.846, 1.0, 1.0], 1e-6)
+    assert close(adv, (raw - raw.mean()) / raw.std(unbiased=False), 1e-5)
+    assert "gae_step" in algos.NEEDS_CRITIC and {"gae_step", "process_grpo"} <= algos.NEEDS_STEPS
+    with pytest.raises(ValueError, match="critic"):
+        ADVANTAGE_ESTIMATORS["gae_step"](AdvantageInputs(torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1])))
+
+
+def test_gae_step_without_step_rewards_is_gae():
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.tensor([3, 1, 4])
+    x = AdvantageInputs(torch.rand(3, generator=g), torch.tensor([0, 0, 1]), lengths,
+                        token_rewards=torch.rand(8, generator=g) * 0.1, values=torch.rand(8, generator=g))
+    step, gae = ADVANTAGE_ESTIMATORS["gae_step"](x, gamma=0.95, lam=0.9), ADVANTAGE_ESTIMATORS["gae"](x, gamma=0.95, lam=0.9)
+    assert close(step[0], gae[0], 1e-6) and close(step[1], gae[1], 1e-6)
+
+
 def test_aggregations_hand_computed_and_micro_batches_add_up():
     per_token = torch.tensor([1.0, 2.0, 3.0, 4.0])
     lengths = torch.tensor([3, 1])

@@ -3,7 +3,8 @@ tensors, registered by name so the trainer never branches on an algorithm.
 
 Conventions (padding-free): per-token tensors have shape [T] over the concatenated completion
 tokens of a batch, sequence by sequence; ``lengths`` [B] gives each sequence's token count, so
-sequence i owns tokens ``offsets[i] : offsets[i] + lengths[i]``. Rewards are per sequence, [B].
+sequence i owns tokens ``offsets[i] : offsets[i] + lengths[i]``. Rewards are per sequence, [B];
+process rewards are per step, [S], each with its sequence and the token where it ends.
 Log-probabilities are natural logs (nats).
 
 Registries:
@@ -27,7 +28,9 @@ POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] =
 KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 # Advantage estimators that regress a learned value function (the trainer builds a critic for them).
-NEEDS_CRITIC = {"gae"}
+NEEDS_CRITIC = {"gae", "gae_step"}
+# Advantage estimators that read per-step rewards (the learner lays out each trajectory's steps for them).
+NEEDS_STEPS = {"process_grpo", "gae_step"}
 
 
 def register_advantage(name: str):
@@ -118,6 +121,31 @@ class AdvantageInputs:
     lengths: torch.Tensor  # [B] completion tokens of each sequence
     token_rewards: torch.Tensor | None = None  # [T] dense rewards added per token (e.g. -beta * KL)
     values: torch.Tensor | None = None  # [T] critic's V(s_t): value of the state before token t
+    # process rewards (Reward.step_rewards): [S] each step's reward, the sequence it belongs to, and the
+    # index of its last token within that sequence (non-decreasing per sequence; temper.learner.steps)
+    step_rewards: torch.Tensor | None = None
+    step_seq: torch.Tensor | None = None
+    step_ends: torch.Tensor | None = None
+
+    def steps(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """([S'] step rewards, [S'] their sequence, [S'] the index in [T] of each step's last token).
+
+        A sequence with no step rewards counts as one step: its outcome reward (``rewards``), ending
+        at its last token. So a batch without any step rewards gives one step per sequence.
+        """
+        starts = torch.cumsum(self.lengths, 0) - self.lengths
+        dtype = self.rewards.dtype
+        if self.step_rewards is None or self.step_rewards.numel() == 0:
+            values, seq, ends = self.rewards[:0], self.group_index[:0], self.lengths[:0]
+        else:
+            values, seq, ends = self.step_rewards.to(dtype), self.step_seq.long(), self.step_ends.long()
+        without = torch.ones(len(self.lengths), dtype=torch.bool)
+        without[seq] = False
+        missing = without.nonzero().squeeze(1)
+        values = torch.cat([values, self.rewards[missing]])
+        seq = torch.cat([seq, missing])
+        ends = torch.cat([ends, self.lengths[missing] - 1])
+        return values, seq, starts[seq] + ends
 
     def sequence_scores(self) -> torch.Tensor:
         """[B]: outcome reward plus the sum of the sequence's token rewards."""
@@ -229,6 +257,40 @@ def gae(x: AdvantageInputs, *, gamma: float = 1.0, lam: float = 0.95, eps: float
     if x.values is None:
         raise ValueError("gae needs the critic's values")
     advantages, returns = gae_advantages(x.dense_rewards(), x.values, x.lengths, gamma, lam)
+    return whiten(advantages, eps), returns
+
+
+@register_advantage("process_grpo")
+def process_grpo(x: AdvantageInputs, *, gamma: float = 1.0, lam: float = 1.0, eps: float = 1e-6):
+    """Process-supervised GRPO (DeepSeekMath, sec. 4.1.3): every step reward of a group is normalised
+    by the mean and std (unbiased=False) of all step rewards of that group, r~ = (r - mean_g) / (std_g + eps),
+    and token t's advantage is the sum of r~ over the steps of its sequence that end at or after t.
+
+    A trajectory with no step rewards counts as one step, its ``reward.total``, ending at its last token
+    (``AdvantageInputs.steps``); a batch without step rewards thus gets exactly ``grpo``'s advantages.
+    Token rewards (KL in the reward) are refused by the config: put the KL in the loss.
+    """
+    values, seq, ends = x.steps()
+    normalised = grpo_advantages(values, x.group_index[seq], eps)
+    dense = torch.zeros(int(x.lengths.sum()), dtype=normalised.dtype).index_add_(0, ends, normalised)
+    return discounted_returns(dense, x.lengths, 1.0), None
+
+
+@register_advantage("gae_step")
+def gae_step(x: AdvantageInputs, *, gamma: float = 1.0, lam: float = 0.95, eps: float = 1e-6):
+    """GAE over process rewards: each step's reward is a token reward at the step's last token (plus any
+    dense token rewards), then GAE with the critic's values exactly as ``gae``; advantages whitened over
+    the batch, returns not. A trajectory with no step rewards has its ``reward.total`` at its last
+    token (``AdvantageInputs.steps``), so without step rewards this is ``gae``.
+    """
+    if x.values is None:
+        raise ValueError("gae_step needs the critic's values")
+    values, _, ends = x.steps()
+    n = int(x.lengths.sum())
+    dense = torch.zeros(n, dtype=x.rewards.dtype) if x.token_rewards is None \
+        else x.token_rewards.to(x.rewards.dtype).clone()
+    dense.index_add_(0, ends, values.to(dense.dtype))
+    advantages, returns = gae_advantages(dense, x.values, x.lengths, gamma, lam)
     return whiten(advantages, eps), returns
 
 

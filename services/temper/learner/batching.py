@@ -10,7 +10,9 @@ this rule, first match wins, and reports each with its reason:
   reward components has status ERROR;
 - ``invalid``: the group is malformed (empty, a completion without tokens, logprobs that do not
   match the tokens or are not finite and <= 0, a non-finite reward, a negative temperature or
-  policy version); the detail names the field, as a refused batch did before;
+  policy version; and, when the advantage estimator reads step rewards, step rewards that are
+  not finite or whose count disagrees with ``reward.step_end_chars``, or step ends that are not
+  non-decreasing within the completion's text); the detail names the field, as a refused batch did before;
 - ``too_long``: a sequence (prompt + completion) is longer than ``max_sequence_tokens`` (the
   model's context by default), so it could not be trained on as sampled.
 The caller trains on the groups left (and samples again if none are), counts the drops by reason
@@ -32,6 +34,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from temper.learner.steps import StepTokens
 from temper.runtime.errors import InvalidArgument, require
 from temper.v1 import common_pb2
 
@@ -53,6 +56,11 @@ class Batch:
     # [G] loss weight of each group (prioritized replay's importance weights), multiplied into its
     # sequences' policy loss; None: 1 for every group
     sample_weights: torch.Tensor | None = None
+    # [B] process rewards of each sequence and the index of each step's last completion token
+    # (temper.learner.steps); [] for a sequence without step rewards; None: not laid out (the
+    # advantage estimator does not read them)
+    step_rewards: list[list[float]] | None = None
+    step_ends: list[list[int]] | None = None
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -95,6 +103,14 @@ class Batch:
             if bool(bad.any()):
                 i = int(bad.nonzero()[0])
                 require(False, f"sample_weights[{i}]", f"is {self.sample_weights[i].item()}; must be finite and >= 0")
+        if self.step_rewards is not None:
+            require(self.step_ends is not None and len(self.step_ends) == n and len(self.step_rewards) == n,
+                    "step_rewards", f"step rewards and ends must be given for each of the {n} sequences")
+            for i, (r, e, c) in enumerate(zip(self.step_rewards, self.step_ends, self.completions)):
+                require(len(r) == len(e), f"step_ends[{i}]", f"{len(e)} step ends for {len(r)} step rewards")
+                require(all(math.isfinite(v) for v in r), f"step_rewards[{i}]", "must be finite")
+                require(all(0 <= a <= b < len(c) for a, b in zip(e, e[1:] + e[-1:])), f"step_ends[{i}]",
+                        f"must be non-decreasing token indices in [0, {len(c)})")
         if vocab_size is not None:
             for name, seqs in (("prompts", self.prompts), ("completions", self.completions)):
                 for i, s in enumerate(seqs):
@@ -112,7 +128,18 @@ class Batch:
                      self.temperatures[idx], self.rewards[idx], group_index, self.policy_versions[idx],
                      [self.domains[i] for i in keep], self.job_id,
                      [self.group_ids[g] for g in kept_groups] if self.group_ids is not None else None,
-                     self.sample_weights[kept_groups] if self.sample_weights is not None else None)
+                     self.sample_weights[kept_groups] if self.sample_weights is not None else None,
+                     [self.step_rewards[i] for i in keep] if self.step_rewards is not None else None,
+                     [self.step_ends[i] for i in keep] if self.step_ends is not None else None)
+
+    def step_inputs(self) -> dict[str, torch.Tensor | None]:
+        """``AdvantageInputs``' step fields (step_rewards, step_seq, step_ends) of this batch."""
+        if self.step_rewards is None:
+            return {}
+        seq = [i for i, r in enumerate(self.step_rewards) for _ in r]
+        return {"step_rewards": torch.tensor([v for r in self.step_rewards for v in r], dtype=torch.float32),
+                "step_seq": torch.tensor(seq, dtype=torch.long),
+                "step_ends": torch.tensor([e for ends in self.step_ends for e in ends], dtype=torch.long)}
 
 
 DROP_REASONS = ("reward_error", "invalid", "too_long")
@@ -129,8 +156,9 @@ class DroppedGroup:
     detail: str
 
 
-def _check_group(g_i: int, group: common_pb2.RolloutGroup) -> None:
-    """InvalidArgument naming ``groups[g].trajectories[t].<field>`` unless the group is well formed."""
+def _check_group(g_i: int, group: common_pb2.RolloutGroup, steps: bool = False) -> None:
+    """InvalidArgument naming ``groups[g].trajectories[t].<field>`` unless the group is well formed
+    (``steps``: its step rewards too, for an estimator that reads them)."""
     require(len(group.trajectories) > 0, f"groups[{g_i}].trajectories", "empty group")
     require(math.isfinite(group.loss_weight) and group.loss_weight >= 0, f"groups[{g_i}].loss_weight",
             f"must be finite and >= 0 (0: unset), got {group.loss_weight}")
@@ -147,9 +175,19 @@ def _check_group(g_i: int, group: common_pb2.RolloutGroup) -> None:
         require(math.isfinite(t.sampling_temperature) and t.sampling_temperature >= 0,
                 f"{field}.sampling_temperature", "must be finite and >= 0")
         require(t.policy_version >= 0, f"{field}.policy_version", "must be >= 0")
+        if steps and len(t.reward.step_rewards):
+            r = t.reward
+            require(len(r.step_end_chars) == len(r.step_rewards), f"{field}.reward.step_end_chars",
+                    f"{len(r.step_end_chars)} step ends for {len(r.step_rewards)} step rewards")
+            require(all(math.isfinite(v) for v in r.step_rewards), f"{field}.reward.step_rewards", "NaN or inf")
+            ends = list(r.step_end_chars)
+            require(all(0 <= a <= b for a, b in zip([0, *ends], ends)) and ends[-1] <= len(t.completion_text),
+                    f"{field}.reward.step_end_chars",
+                    f"must be non-decreasing offsets in [0, {len(t.completion_text)}] (completion_text)")
 
 
-def _drop_reason(g_i: int, group: common_pb2.RolloutGroup, max_sequence_tokens: int) -> DroppedGroup | None:
+def _drop_reason(g_i: int, group: common_pb2.RolloutGroup, max_sequence_tokens: int,
+                 steps: bool = False) -> DroppedGroup | None:
     """The first rule of the module docstring that ``group`` breaks, or None."""
     def dropped(reason: str, field: str, detail: str) -> DroppedGroup:
         return DroppedGroup(g_i, group.group_id, reason, field, detail)
@@ -164,7 +202,7 @@ def _drop_reason(g_i: int, group: common_pb2.RolloutGroup, max_sequence_tokens: 
                 return dropped("reward_error", f"{field}.reward.components[{c_i}]",
                                f"component {c.name!r} failed: {c.error or 'no message'}")
     try:
-        _check_group(g_i, group)
+        _check_group(g_i, group, steps)
     except InvalidArgument as e:
         return dropped("invalid", e.field or f"groups[{g_i}]", str(e))
     if max_sequence_tokens > 0:
@@ -177,12 +215,13 @@ def _drop_reason(g_i: int, group: common_pb2.RolloutGroup, max_sequence_tokens: 
     return None
 
 
-def screen_groups(groups: list[common_pb2.RolloutGroup], max_sequence_tokens: int = 0
+def screen_groups(groups: list[common_pb2.RolloutGroup], max_sequence_tokens: int = 0, steps: bool = False
                   ) -> tuple[list[common_pb2.RolloutGroup], list[DroppedGroup]]:
-    """(the groups to train on, in order; the ones dropped by the module docstring's rule)."""
+    """(the groups to train on, in order; the ones dropped by the module docstring's rule); ``steps``:
+    the advantage estimator reads step rewards, so their layout is checked too."""
     kept, dropped = [], []
     for g_i, group in enumerate(groups):
-        reason = _drop_reason(g_i, group, max_sequence_tokens)
+        reason = _drop_reason(g_i, group, max_sequence_tokens, steps)
         if reason is None:
             kept.append(group)
         else:
@@ -190,19 +229,27 @@ def screen_groups(groups: list[common_pb2.RolloutGroup], max_sequence_tokens: in
     return kept, dropped
 
 
-def batch_from_groups(groups: list[common_pb2.RolloutGroup], sample_weights: list[float] | None = None) -> Batch:
+def batch_from_groups(groups: list[common_pb2.RolloutGroup], sample_weights: list[float] | None = None,
+                      step_tokens: StepTokens | None = None) -> Batch:
     """Scored groups -> Batch; InvalidArgument naming ``groups[g].trajectories[t].<field>`` if bad
     (all or nothing: ``screen_groups`` first to leave bad groups out instead). ``sample_weights``: one
     loss weight per group (replay's importance weights), or None; each group's own ``loss_weight`` (the
-    scheduler's multi-task weight; 0: unset) multiplies into it."""
+    scheduler's multi-task weight; 0: unset) multiplies into it. ``step_tokens``: lay out each
+    trajectory's step rewards, their ends mapped to tokens with it (for estimators that read them)."""
     require(len(groups) > 0, "groups", "empty batch")
     task_weights = [g.loss_weight if g.loss_weight > 0 else 1.0 for g in groups]
     if any(w != 1.0 for w in task_weights):
         sample_weights = [b * w for b, w in zip(sample_weights or [1.0] * len(groups), task_weights)]
     prompts, completions, old, temps, rewards, gidx, versions, domains = [], [], [], [], [], [], [], []
+    step_rewards: list[list[float]] | None = None if step_tokens is None else []
+    step_ends: list[list[int]] | None = None if step_tokens is None else []
     for g_i, group in enumerate(groups):
-        _check_group(g_i, group)
+        _check_group(g_i, group, steps=step_tokens is not None)
         for t in group.trajectories:
+            if step_tokens is not None:
+                step_rewards.append(list(t.reward.step_rewards))
+                step_ends.append(step_tokens.token_ends(t.completion_token_ids, t.reward.step_end_chars)
+                                 if len(t.reward.step_rewards) else [])
             prompts.append(list(t.prompt_token_ids))
             completions.append(list(t.completion_token_ids))
             old.extend(t.completion_logprobs)
@@ -213,7 +260,8 @@ def batch_from_groups(groups: list[common_pb2.RolloutGroup], sample_weights: lis
             domains.append(group.task.domain)
     return Batch(prompts, completions, torch.tensor(old), torch.tensor(temps), torch.tensor(rewards, dtype=torch.float32),
                  torch.tensor(gidx), torch.tensor(versions), domains, groups[0].job_id, [g.group_id for g in groups],
-                 torch.tensor(sample_weights, dtype=torch.float32) if sample_weights is not None else None)
+                 torch.tensor(sample_weights, dtype=torch.float32) if sample_weights is not None else None,
+                 step_rewards, step_ends)
 
 
 @dataclass

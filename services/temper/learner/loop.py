@@ -143,13 +143,14 @@ class LearnerLoop:
         # a step trains on many groups, each from its own scheduler-step trace: link to every one
         with self._tracer.start_as_current_span("learner.step", links=links_to(g.trace_context for g in groups),
                                                  attributes={"temper.groups": len(groups)}) as span:
-            kept, dropped = screen_groups(groups, self.trainer.max_sequence_tokens)
+            step_tokens = self.trainer.step_tokens  # set when the advantage estimator reads step rewards
+            kept, dropped = screen_groups(groups, self.trainer.max_sequence_tokens, steps=step_tokens is not None)
             self._count_drops(dropped)
             try:
                 require(len(kept) > 0, "groups", f"nothing to train on: {len(groups)} sampled, {len(dropped)} dropped")
                 dropped_at = {d.index for d in dropped}
                 kept_weights = None if weights is None else [w for i, w in enumerate(weights) if i not in dropped_at]
-                batch = batch_from_groups(kept, kept_weights)
+                batch = batch_from_groups(kept, kept_weights, step_tokens)
                 # stale groups leave here, so the step's metrics (samples, rewards) describe what trained
                 try:
                     batch, stale = self.trainer.drop_stale(batch)

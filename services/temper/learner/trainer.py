@@ -6,7 +6,9 @@ A step:
 2. lay it out as packed (or padded) micro-batches;
 3. without gradients: reference-model logprobs (when a KL penalty is on) and the critic's
    values (GAE);
-4. advantages by the configured estimator (KL in the reward enters here as dense token rewards);
+4. advantages by the configured estimator (KL in the reward enters here as dense token rewards;
+   process_grpo / gae_step read each trajectory's step rewards, laid out by the loop with
+   ``step_tokens``, and report ``step_reward_trajectories`` / ``step_rewards`` among the metrics);
 5. ``epochs`` passes: per micro-batch, teacher-forced token logprobs under the current weights
    (logits scaled by each sample's temperature), the configured policy loss (+ KL in the loss,
    - entropy bonus), backward with batch-level denominators so micro-batches add up to the
@@ -43,9 +45,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from transformers import AutoModelForCausalLM
 
 from temper.learner import algos, logprobs
-from temper.learner.algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, NEEDS_CRITIC, POLICY_LOSSES, Aggregation
+from temper.learner.algos import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, NEEDS_CRITIC, NEEDS_STEPS, POLICY_LOSSES,
+                                  Aggregation)
 from temper.learner.batching import Batch, ModelInputs, batch_from_groups, micro_batches
 from temper.learner.schedules import KLController, LRController
+from temper.learner.steps import StepTokens
 from temper.runtime.errors import InvalidArgument
 
 __all__ = ["Batch", "Trainer", "TrainerConfig", "batch_from_groups"]
@@ -57,7 +61,8 @@ class TrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # algorithm (registered names: see temper.learner.algos)
-    advantage: str = Field("grpo", description="advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, gae")
+    advantage: str = Field("grpo", description="advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, gae; with "
+                                               "per-step rewards (Reward.step_rewards): process_grpo, gae_step")
     policy_loss: str = Field("ppo_clip", description="policy loss: ppo_clip, gspo")
     loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = Field(
         "token_mean", description="how token losses become the batch loss (seq_mean_token_sum: Dr.GRPO)")
@@ -162,6 +167,9 @@ class TrainerConfig(BaseModel):
         if self.lr_schedule != "constant" and self.total_steps <= self.warmup_steps:
             raise ValueError(f"total_steps: must be > warmup_steps ({self.warmup_steps}) for lr_schedule "
                              f"{self.lr_schedule!r}, got {self.total_steps}")
+        if self.advantage == "process_grpo" and self.kl_coef > 0 and self.kl_in == "reward":
+            raise ValueError("kl_in: process_grpo normalises step rewards per group and takes no token rewards; "
+                             "use kl_in = 'loss'")
         if self.kl_target > 0 and self.kl_coef <= 0:
             raise ValueError("kl_coef: an adaptive KL (kl_target > 0) needs an initial kl_coef > 0")
         return self
@@ -285,6 +293,8 @@ class Trainer:
             self.critic = Critic(model_dir, config.gradient_checkpointing).train().to(self.device)
             self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=config.value_lr or config.lr,
                                                       weight_decay=config.weight_decay)
+        # step-reward estimators: step ends (characters of the completion) map to tokens with the policy's tokenizer
+        self.step_tokens = StepTokens.from_model_dir(model_dir) if config.advantage in NEEDS_STEPS else None
         self.step_count = 0  # updates applied
         self.policy_version = 0  # version of the current weights (= step_count unless bumped by the service)
         self.group_signals: dict[str, dict[str, float]] = {}  # signal -> group id -> value, of the last step
@@ -392,7 +402,7 @@ class Trainer:
         # advantages: small [B]/[T] bookkeeping on the CPU; the per-token loss terms then move to the device
         advantages, returns = ADVANTAGE_ESTIMATORS[cfg.advantage](
             algos.AdvantageInputs(batch.rewards, batch.group_index, lengths, token_rewards,
-                                  None if old_values is None else old_values.cpu()),
+                                  None if old_values is None else old_values.cpu(), **batch.step_inputs()),
             gamma=cfg.gamma, lam=cfg.lam, eps=cfg.advantage_eps)
         advantages = advantages.to(torch.float32)
         seq_group = batch.group_index
@@ -486,6 +496,9 @@ class Trainer:
         metrics["peak_rss_bytes"] = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         if returns is not None:
             metrics["return_mean"] = returns.mean().item()
+        if batch.step_rewards is not None:  # how much of the batch the step-reward estimator saw as steps
+            metrics["step_reward_trajectories"] = float(sum(1 for r in batch.step_rewards if r))
+            metrics["step_rewards"] = float(sum(len(r) for r in batch.step_rewards))
         return metrics
 
     def _critic_step(self, mbs: list[ModelInputs], old_values: torch.Tensor, returns: torch.Tensor, agg

@@ -4,9 +4,14 @@
     status = ERROR iff some component with weight != 0 is ERROR (weight-0 components are kept for
              the record and cannot fail the reward)
 
-Every component is kept in the Reward (with its weight, even 0), and the process reward model's
-step scores in ``step_rewards``, so the learner, the monitor and a person can see why a total is
-what it is.
+    step_rewards[i] = sum over step-scoring components c (the process reward model, StepVerifiers)
+                      with status OK and weight != 0 of weight_c * steps_c[i], / sum of |weight_c|
+                      (one source: its own step scores), or empty when there is none
+
+Every component is kept in the Reward (with its weight, even 0), and the step scores in
+``step_rewards`` with where each step ends in ``step_end_chars`` (temper.reward.steps), so the
+learner, the monitor and a person can see why a total is what it is. Every step source of a
+domain splits the completion at the same delimiter, so their step counts agree.
 """
 
 from __future__ import annotations
@@ -54,10 +59,21 @@ def safety_check(completion: str, flagged: bool, refusal: re.Pattern) -> Check:
     return Check("safety", float(ok), detail=what)
 
 
-def compose(checks: Sequence[Check], weights: dict[str, float], step_rewards: Sequence[float] = ()) -> common_pb2.Reward:
-    """The Reward of one trajectory from its components (see the module doc for the invariant)."""
+def compose(checks: Sequence[Check], weights: dict[str, float], step_end_chars: Sequence[int] = ()
+            ) -> common_pb2.Reward:
+    """The Reward of one trajectory from its components (see the module doc for the invariant);
+    ``step_end_chars``: where each step of the completion ends (needed when a component scores steps)."""
     components = [c.to_proto(weights.get(c.name, 0.0)) for c in checks]
     total = sum(c.weight * c.value for c in components if c.status == common_pb2.REWARD_STATUS_OK)
     failed = any(c.status == common_pb2.REWARD_STATUS_ERROR and c.weight != 0 for c in components)
-    return common_pb2.Reward(total=total, components=components, step_rewards=list(step_rewards),
+    sources = [(weights[c.name], c.steps) for c in checks if c.steps and not c.error and weights.get(c.name, 0.0)]
+    step_rewards: list[float] = []
+    if sources:
+        for _, steps in sources:
+            if len(steps) != len(step_end_chars):
+                raise ValueError(f"{len(steps)} step scores for {len(step_end_chars)} steps")
+        norm = sum(abs(w) for w, _ in sources)
+        step_rewards = [sum(w * steps[i] for w, steps in sources) / norm for i in range(len(step_end_chars))]
+    return common_pb2.Reward(total=total, components=components, step_rewards=step_rewards,
+                             step_end_chars=list(step_end_chars) if step_rewards else [],
                              status=common_pb2.REWARD_STATUS_ERROR if failed else common_pb2.REWARD_STATUS_OK)

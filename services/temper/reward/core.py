@@ -24,9 +24,10 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 
 from temper.reward.composite import aggregate_steps, compose, length_penalty, refusal_matcher, safety_check
-from temper.reward.models import MalformedSteps, RewardModelEngine, SequenceTooLong, split_steps
+from temper.reward.models import MalformedSteps, RewardModelEngine, SequenceTooLong
 from temper.reward.settings import MODEL_COMPONENTS, DomainSpec, RewardSettings
-from temper.reward.verifiers import Check, Verifier, short
+from temper.reward.steps import split_steps, step_end_chars
+from temper.reward.verifiers import Check, StepVerifier, Verifier, short
 from temper.reward.verifiers.code import RunTests, SandboxUnavailable, sandbox_runner
 from temper.reward.verifiers.registry import verifier_of
 from temper.runtime.errors import FailedPrecondition, InvalidArgument, require
@@ -143,22 +144,27 @@ class Scorer:
             prepared[name] = v.prepare(task, "group.task")
 
         # a prefilled start of the answer (the job's response_prefix) is part of what the verifier reads
-        completions = [with_prefix(task.metadata.get("response_prefix", ""), t) for t in group.trajectories]
+        prefix = task.metadata.get("response_prefix", "")
+        completions = [with_prefix(prefix, t) for t in group.trajectories]
+        # the steps of each completion, shared by every step source (PRM, step verifiers), and where each
+        # ends within the trajectory's own completion_text (temper.reward.steps)
+        delimiter = s.step_delimiter(spec)
+        steps_of = [split_steps(c, delimiter) for c in completions]
+        ends_of = [[min(e, len(t.completion_text)) for e in step_end_chars(steps, len(prefix))]
+                   for steps, t in zip(steps_of, group.trajectories)]
         rm_futures = self._submit_rm(task.prompt, completions) if "rm" in weights else None
-        prm_futures = self._submit_prm(task.prompt, completions) if "prm" in weights else None
+        prm_futures = self._submit_prm(task.prompt, completions, steps_of) if "prm" in weights else None
 
         checks: list[list[Check]] = [[] for _ in completions]
         for name, v in verifiers.items():
-            for mine, theirs in zip(checks, self._verify(v, completions, prepared[name])):
+            for mine, theirs in zip(checks, self._verify(v, completions, prepared[name], steps_of, delimiter)):
                 mine.extend(theirs)
-        step_rewards: list[list[float]] = [[] for _ in completions]
         if rm_futures is not None:
             for mine, check in zip(checks, self._collect_rm(rm_futures)):
                 mine.append(check)
         if prm_futures is not None:
-            for i, (check, steps) in enumerate(self._collect_prm(prm_futures, spec.prm_aggregation)):
-                checks[i].append(check)
-                step_rewards[i] = steps
+            for mine, check in zip(checks, self._collect_prm(prm_futures, spec.prm_aggregation)):
+                mine.append(check)
         if "length_penalty" in weights:
             for mine, traj in zip(checks, group.trajectories):
                 n = len(traj.completion_token_ids)
@@ -170,12 +176,15 @@ class Scorer:
 
         scored = common_pb2.RolloutGroup()
         scored.CopyFrom(group)
-        for traj, mine, steps in zip(scored.trajectories, checks, step_rewards):
-            traj.reward.CopyFrom(compose(mine, weights, steps))
+        for traj, mine, ends in zip(scored.trajectories, checks, ends_of):
+            traj.reward.CopyFrom(compose(mine, weights, ends))
         return scored
 
-    def _verify(self, v: Verifier, completions: Sequence[str], prepared) -> list[list[Check]]:
+    def _verify(self, v: Verifier, completions: Sequence[str], prepared, steps_of: Sequence[Sequence[str]],
+                delimiter: str) -> list[list[Check]]:
         try:
+            if isinstance(v, StepVerifier):
+                return v.verify_steps(steps_of, prepared, delimiter)
             return v.verify(completions, prepared)
         except (InvalidArgument, SandboxUnavailable):
             raise
@@ -198,11 +207,11 @@ class Scorer:
             out[i] = f
         return out
 
-    def _submit_prm(self, prompt: str, completions: Sequence[str]) -> list[tuple[Future, int] | Check]:
+    def _submit_prm(self, prompt: str, completions: Sequence[str], steps_of: Sequence[Sequence[str]]
+                    ) -> list[Future | Check]:
         out: list = []
         encoded, slots = [], []
-        for i, c in enumerate(completions):
-            steps = split_steps(c, self.settings.prm_step_delimiter)
+        for i, (c, steps) in enumerate(zip(completions, steps_of)):
             try:
                 if not steps or not c.strip():
                     raise MalformedSteps("no steps (empty completion)")
@@ -231,18 +240,19 @@ class Scorer:
         return out
 
     @staticmethod
-    def _collect_prm(pending: list, how: str) -> list[tuple[Check, list[float]]]:
+    def _collect_prm(pending: list, how: str) -> list[Check]:
         out = []
         for p in pending:
             if isinstance(p, Check):
-                out.append((p, []))
+                out.append(p)
                 continue
             try:
                 steps = p.result()
             except Exception as e:  # noqa: BLE001
-                out.append((Check("prm", error=short(f"process reward model failed: {type(e).__name__}: {e}")), []))
+                out.append(Check("prm", error=short(f"process reward model failed: {type(e).__name__}: {e}")))
                 continue
-            out.append((Check("prm", aggregate_steps(steps, how), detail=f"{len(steps)} steps, {how}"), steps))
+            out.append(Check("prm", aggregate_steps(steps, how), detail=f"{len(steps)} steps, {how}",
+                             steps=tuple(steps)))
         return out
 
     def score_or_mark(self, group: common_pb2.RolloutGroup) -> common_pb2.RolloutGroup:

@@ -39,6 +39,7 @@ from typing import Generic, TypeVar
 
 import torch
 
+from temper.reward.steps import split_steps  # noqa: F401 - re-exported: the encoding's segments
 from temper.runtime.errors import FailedPrecondition
 from temper.runtime.logs import get_logger
 
@@ -263,29 +264,6 @@ class RewardModelEngine:
 def read_meta(model_dir: str | Path) -> dict:
     path = Path(model_dir) / META_FILE
     return json.loads(path.read_text()) if path.exists() else {}
-
-
-def split_steps(completion: str, delimiter: str) -> list[str]:
-    """Steps of ``completion`` at ``delimiter``, each after the first keeping its delimiter, empty ones merged
-    into the next, so that ``"".join(steps) == completion``."""
-    if not delimiter:
-        raise ValueError("empty step delimiter")
-    parts = completion.split(delimiter)
-    steps: list[str] = []
-    carry = ""
-    for i, part in enumerate(parts):
-        text = carry + (delimiter if i else "") + part
-        if part.strip():
-            steps.append(text)
-            carry = ""
-        else:
-            carry = text
-    if carry:
-        if steps:
-            steps[-1] += carry
-        else:
-            steps.append(carry)
-    return steps
 
 
 def build_tiny_reward_model(out_dir: str | Path, sequence_classifier: bool = False, hidden_size: int = 64,

@@ -8,6 +8,8 @@ every domain below it (``math`` covers ``math.linear``); the longest matching na
   ``reasoning_gym``, ``format.*``; see ``temper.reward.verifiers``),
 * ``rm``: the outcome reward model's score of (prompt, completion), in [0, 1],
 * ``prm``: the process reward model's step scores, aggregated by ``prm_aggregation``,
+* ``exact_steps``: a rule-based process verifier, each step against the reference's step
+  (``temper.reward.verifiers.basic.ExactSteps``); like ``prm`` it gives ``step_rewards``,
 * ``length_penalty``: DAPO's overlong penalty (``length_penalty`` below), in [-1, 0],
 * ``safety``: 1 if the completion refuses exactly when the task is flagged
   (``task.metadata["safety"] = "refuse"``), else 0. A flagged prompt always gets it (weight 1
@@ -50,6 +52,9 @@ class DomainSpec(_Strict):
     weights: dict[str, float]
     prm_aggregation: Literal["min", "mean", "last"] = "min"
     length_penalty: LengthPenalty | None = None
+    # where this domain's completions split into reasoning steps (the PRM and step verifiers such as
+    # exact_steps); "": the service's prm_step_delimiter
+    step_delimiter: str = ""
 
     @model_validator(mode="after")
     def _penalty_configured(self) -> DomainSpec:
@@ -148,6 +153,9 @@ class RewardSettings(_Strict):
             if not spec.weights:
                 raise ValueError(f"domains.{name}.weights: empty")
         return self
+
+    def step_delimiter(self, spec: DomainSpec) -> str:
+        return spec.step_delimiter or self.prm_step_delimiter
 
     def domain_spec(self, domain: str) -> tuple[str, DomainSpec] | None:
         """The spec whose name is ``domain`` or its longest dotted prefix; None if none."""

@@ -10,7 +10,10 @@ computed for reasons outside the completion (the sandbox is down) is never a sil
 an exception or an ERROR check.
 
 Adding a verifier: subclass ``Verifier``, decorate with ``@register``; a domain then uses its
-component names as keys of ``weights`` in ``[reward.domains.NAME]``.
+component names as keys of ``weights`` in ``[reward.domains.NAME]``. A verifier that scores each
+reasoning step subclasses ``StepVerifier``: the scorer hands it the completions already split at
+the domain's step delimiter, and its Checks carry one score per step (``Check.steps``), which the
+composite reward passes on as ``Reward.step_rewards``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class Check:
     value: float = 0.0
     detail: str = ""
     error: str = ""  # non-empty: not computed (status ERROR), never read as a reward of 0
+    steps: tuple[float, ...] = ()  # per-step scores (process rewards), one per step of the completion
 
     def to_proto(self, weight: float) -> common_pb2.RewardComponent:
         status = common_pb2.REWARD_STATUS_ERROR if self.error else common_pb2.REWARD_STATUS_OK
@@ -69,6 +73,23 @@ class Verifier(ABC):
 
     def close(self) -> None:  # noqa: B027 - most verifiers hold nothing to release
         """Release workers or channels."""
+
+
+class StepVerifier(Verifier):
+    """Scores each reasoning step of a completion: one Check per component, whose ``steps`` hold one
+    score per step and whose ``value`` summarises them."""
+
+    def verify(self, completions: Sequence[str], prepared: Any) -> list[list[Check]]:
+        """Steps split at the service's default delimiter (the scorer calls ``verify_steps`` with the
+        domain's own)."""
+        from temper.reward.steps import split_steps
+
+        delimiter = self.settings.prm_step_delimiter if self.settings is not None else "\n\n"
+        return self.verify_steps([split_steps(c, delimiter) for c in completions], prepared, delimiter)
+
+    @abstractmethod
+    def verify_steps(self, steps: Sequence[Sequence[str]], prepared: Any, delimiter: str) -> list[list[Check]]:
+        """One list of Checks for each completion, given as its steps (split at ``delimiter``)."""
 
 
 VERIFIER_TYPES: dict[str, type[Verifier]] = {}

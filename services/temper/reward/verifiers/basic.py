@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from temper.reward.verifiers import Check, Verifier, register, short
-from temper.reward.verifiers import extract
+from temper.reward.steps import split_steps
+from temper.reward.verifiers import Check, StepVerifier, Verifier, extract, register, short
 from temper.tasks import toy
 
 
@@ -19,6 +19,29 @@ class ExactAnswer(Verifier):
     def verify(self, completions: Sequence[str], prepared: str) -> list[list[Check]]:
         return [[Check(self.name, toy.exact_answer_reward(c, prepared),
                        detail=short(f"first word {toy.extract_answer(c)!r}"))] for c in completions]
+
+
+@register
+class ExactSteps(StepVerifier):
+    """A rule-based process verifier: the reference answer, split at the same step delimiter as the
+    completion, is the expected step sequence. Step i scores 1 if it equals reference step i (both
+    whitespace-stripped), else 0 (a step beyond the reference scores 0); the value is the matched
+    steps over max(completion steps, reference steps), so 1 exactly when every step is right and
+    there are no extra ones. On the toy domains with step delimiter " " a step is one word: the
+    answer word, then anything the policy adds after it."""
+
+    name = "exact_steps"
+    components = ("exact_steps",)
+
+    def verify_steps(self, steps, prepared: str, delimiter: str) -> list[list[Check]]:
+        want = [s.strip() for s in split_steps(prepared, delimiter)]
+        out = []
+        for mine in steps:
+            scores = tuple(float(i < len(want) and s.strip() == want[i]) for i, s in enumerate(mine))
+            value = sum(scores) / max(len(scores), len(want), 1)
+            out.append([Check(self.name, value, detail=f"{int(sum(scores))}/{len(want)} steps right, "
+                                                       f"{len(scores)} given", steps=scores)])
+        return out
 
 
 @register
