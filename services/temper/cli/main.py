@@ -246,15 +246,16 @@ def cmd_eval(args) -> int:
     domains = args.domains or list(job.get("domains", []))
     if not domains:
         raise ValueError("--domains: at least one domain")
-    domain_config = dict(job.get("domain_config", {}))
-    if args.domain_config:
-        domain_config.update(json.loads(args.domain_config))
-    domain_config = {d: c for d, c in domain_config.items() if d in domains}
     from temper import tasks
-    from temper.scheduler.core import known_domains
+    from temper.scheduler.core import domain_known
 
+    # dataset paths: the job file's relative to its folder, the command line's to the working directory
+    domain_config = tasks.resolve_paths(dict(job.get("domain_config", {})), base.config_path.parent)
+    if args.domain_config:
+        domain_config.update(tasks.resolve_paths(json.loads(args.domain_config), Path.cwd()))
+    domain_config = {d: c for d, c in domain_config.items() if d in domains}
     for d in domains:
-        if d not in known_domains():
+        if not domain_known(d):
             raise ValueError(f"--domains: unknown domain {d!r}")
     for d, c in domain_config.items():
         tasks.check_config(d, c, field=f"domain_config[{d}]")

@@ -29,7 +29,11 @@ def job_spec(table: dict, source: Path, steps: int = 0, seed: int | None = None)
     from temper.runtime.errors import InvalidArgument
     from temper.scheduler.core import JobSpec
 
+    from temper import tasks
+
     table = dict(table)
+    if isinstance(table.get("domain_config"), dict):  # dataset paths are relative to the job file's folder
+        table["domain_config"] = tasks.resolve_paths(table["domain_config"], Path(source).parent)
     if steps:
         table["steps"] = steps
     if seed is not None:
@@ -149,6 +153,18 @@ def _model_line(plan: Plan) -> str:
             f"{'yes' if m.has_chat_template else 'no'}")
 
 
+def _domain_line(domain: str, config: dict | None) -> str:
+    from temper import tasks
+
+    described = tasks.describe(domain, config)  # a dataset: its file, rows, fields and verifier
+    if described:
+        extra = {k: v for k, v in sorted(config.items()) if k in ("instruction", "format") and v}
+        return described + "".join(f"; {k} = {json.dumps(v)}" for k, v in extra.items())
+    if config:
+        return ", ".join(f"{k} = {json.dumps(v)}" for k, v in sorted(config.items()))
+    return "the family's defaults"
+
+
 def render_plan(plan: Plan) -> str:
     spec, s = plan.spec, plan.services
     inference, learner = s["inference"].config, s["learner"].config
@@ -169,9 +185,7 @@ def render_plan(plan: Plan) -> str:
               f"temperature {spec.temperature:g}; max_tokens {spec.max_tokens}; seed {spec.seed}"
               + (f"; chat template, response prefix {spec.response_prefix!r}" if spec.chat_template else ""),
               "domains   " + "\n          ".join(
-                  f"{d}" + ("" if d in spec.domains else " (eval only)") + ": "
-                  + (", ".join(f"{k} = {json.dumps(v)}" for k, v in sorted(spec.domain_config[d].items()))
-                     if spec.domain_config.get(d) else "the family's defaults")
+                  f"{d}" + ("" if d in spec.domains else " (eval only)") + ": " + _domain_line(d, spec.domain_config.get(d))
                   for d in [*spec.domains, *(d for d in spec.eval_domains if d not in spec.domains)])]
     ev = spec.eval
     if ev.size > 0:

@@ -69,6 +69,9 @@ def default_domains() -> dict[str, DomainSpec]:
         "math": DomainSpec(weights={"math": 1.0, "format.boxed": 0.0}),
         "code": DomainSpec(weights={"code.all_pass": 1.0, "code.pass_fraction": 0.0, "format.code_block": 0.0}),
         "rg": DomainSpec(weights={"reasoning_gym": 1.0, "format.answer_tag": 0.0}),
+        # a dataset's rows (temper.tasks.data) name their verifier in task.metadata["verifier"], which replaces
+        # these verifier weights (a [reward.domains."data.NAME"] table's rm / prm / length_penalty / safety stay)
+        "data": DomainSpec(weights={"exact_answer": 1.0}),
     }
 
 

@@ -70,6 +70,11 @@ def known_domains() -> frozenset[str]:
     return frozenset(tasks.domains())
 
 
+def domain_known(domain: str) -> bool:
+    """A built-in domain, or a dataset domain ``data.<name>`` (its domain_config table says which file)."""
+    return domain in known_domains() or tasks.declared(domain)
+
+
 MAX_STEPS = 1_000_000
 DIFFICULTY_KEY = "temper.difficulty"  # task metadata: the curriculum level the task was drawn at
 MAX_GROUPS_PER_STEP = 4096
@@ -151,8 +156,9 @@ class JobSpec:
         require(len(self.domains) > 0, "domains", "at least one domain")
         require(not self.response_prefix or self.chat_template, "response_prefix", "needs chat_template = true")
         for d in self.domains:
-            require(d in known_domains(), "domains",
-                    f"unknown domain {d!r}; families: toy.*, math.*, code.*, rg.<reasoning-gym family>")
+            require(domain_known(d), "domains",
+                    f"unknown domain {d!r}; families: toy.*, math.*, code.*, rg.<reasoning-gym family>, "
+                    f"data.<name> (a dataset file declared in domain_config)")
         ev = self.eval
         require(0 <= ev.size <= MAX_EVAL_SIZE, "eval.size", f"must be in [0, {MAX_EVAL_SIZE}], got {ev.size}")
         require(ev.every >= 0, "eval.every", f"must be >= 0, got {ev.every}")
@@ -161,8 +167,12 @@ class JobSpec:
         require(ev.size == 0 or ev.seed != self.seed, "eval.seed",
                 f"must differ from the job's seed {self.seed} (held-out problems come from a seed of their own)")
         for d in ev.extra_domains:
-            require(d in known_domains(), "eval.extra_domains", f"unknown domain {d!r}")
+            require(domain_known(d), "eval.extra_domains", f"unknown domain {d!r}")
         used = set(self.domains) | set(ev.extra_domains)
+        for d in sorted(used):
+            require(not tasks.declared(d) or d in self.domain_config, f"domain_config[{d}]",
+                    f"{d} is a dataset domain: declare it with [job.domain_config.\"{d}\"] (path, prompt_field, "
+                    "answer_field, verifier)")
         for d, options in self.domain_config.items():
             require(d in used, f"domain_config[{d}]", "configures a domain the job neither trains nor evaluates")
             tasks.check_config(d, options, field=f"domain_config[{d}]")

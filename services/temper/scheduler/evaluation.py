@@ -1,7 +1,8 @@
 """Held-out evaluation: fixed problem sets per domain, answered greedily, scored by the reward service.
 
 An eval set is drawn from its own seed (``EvalConfig.seed`` mixed with the domain name), so it is
-the same in every run of a job and in ``temper eval``. It is kept disjoint from training by prompt:
+the same in every run of a job and in ``temper eval``; a dataset domain's (``data.<name>``) only from
+its held-out rows (``tasks.make_eval_task``). It is kept disjoint from training by prompt:
 ``EvalSets.holds(prompt)`` is what the job's training draws check (a held-out prompt is redrawn).
 No gRPC here: ``evaluate`` takes a generate and a score callable.
 """
@@ -62,7 +63,7 @@ class EvalSets:
             for _ in range(20 * size + 100):
                 if len(chosen) == size:
                     break
-                task = tasks.make_task(domain, rng, f"eval/{domain}/{len(chosen)}", domain_config.get(domain))
+                task = tasks.make_eval_task(domain, rng, f"eval/{domain}/{len(chosen)}", domain_config.get(domain))
                 key = prompt_key(task.prompt)
                 if key not in seen:
                     seen.add(key)
