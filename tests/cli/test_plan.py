@@ -157,6 +157,30 @@ def test_dry_run_refuses_what_run_refuses(temper, tmp_path):
     assert code == 1 and "give --config FILE or --job NAME, not both" in err
 
 
+def test_dry_run_shows_a_dataset_domain_and_refuses_a_bad_row(temper, tmp_path):
+    (tmp_path / "data").mkdir()
+    rows = tmp_path / "data" / "mymath.jsonl"
+    rows.write_text("".join(f'{{"question": "What is {i} + {i}?", "answer": "{2 * i}"}}\n' for i in range(10)))
+    job = tmp_path / "job.toml"
+    job.write_text('[job]\nsteps = 2\ndomains = ["data.mymath", "toy.copy"]\n'
+                   '[job.domain_config."data.mymath"]\npath = "data/mymath.jsonl"\n'  # from the job file's folder
+                   'prompt_field = "question"\nanswer_field = "answer"\nverifier = "math"\neval_fraction = 0.2\n'
+                   'instruction = "Put your final answer in \\\\boxed{}."\n'
+                   '[job.eval]\nsize = 2\n[model]\npreset = "tiny"\n')
+    code, out, err = temper("run", "--dry-run", "--config", str(job))
+    assert code == 0, err
+    assert (f"data.mymath: dataset {rows} (jsonl): 10 rows, 8 train, 2 held out (eval_fraction 0.2); prompt "
+            f"'question', answer 'answer'; verifier math; instruction = \"Put your final answer in \\\\boxed{{}}.\"") in out
+    assert "toy.copy: the family's defaults" in out
+    rows.write_text('{"question": "What is 1 + 1?", "answer": "2"}\n{"question": "What is 2 + 2?"}\n')
+    code, out, err = temper("run", "--dry-run", "--config", str(job))
+    assert code == 1 and "plan" not in out
+    assert f"[job] domain_config[data.mymath].answer_field: {rows} row 2 (line 2) has no field 'answer'" in err
+    rows.unlink()
+    code, _, err = temper("run", "--dry-run", "--config", str(job))
+    assert code == 1 and f"domain_config[data.mymath].path: no such file or folder: {rows}" in err
+
+
 def test_toml_values_round_trip():
     values = {"s": 'quote " back \\ tab \t nl \n ü \x7f', "i": -3, "f": 1e-06, "big": 1e300, "inf": math.inf,
               "b": False, "l": [1, "a", [2.5]], "empty": {}, "inline": {"a.b": 1, "c d": "x"},
