@@ -267,7 +267,10 @@ def cmd_eval(args) -> int:
     sets = EvalSets(domains, args.size, args.seed, domain_config)
     if args.engine:
         os.environ["TEMPER_INFERENCE_ENGINE"] = args.engine
-    services = ["inference", "reward"] + (["sandbox"] if any(d.startswith("code.") for d in domains) else [])
+    # code domains, and datasets scored by the code verifier, run their tests in the sandbox
+    code = any(d.startswith("code.") or str(domain_config.get(d, {}).get("verifier", "")).startswith("code.")
+               for d in domains)
+    services = ["inference", "reward"] + (["sandbox"] if code else [])
     with tempfile.TemporaryDirectory(prefix="temper-eval-") as home:
         launcher = _ModelLauncher(home, base.config_path, args.model)
         t0 = time.monotonic()

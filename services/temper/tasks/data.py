@@ -220,7 +220,7 @@ def _stamp(path: Path) -> str:
     return json.dumps([(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files])
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=1024)  # a job may declare hundreds of datasets
 def _load(domain: str, field: str, key: str, stamp: str, eval_stamp: str, fmt: str, needs_reference: bool) -> Dataset:
     config = json.loads(key)
     path = Path(config["path"]).expanduser().resolve()
