@@ -1,6 +1,8 @@
 """Malformed or out-of-range requests to every implemented method: INVALID_ARGUMENT naming the
 field (or the documented status), and the service keeps serving."""
 
+import json
+
 import grpc
 import pytest
 import torch
@@ -111,6 +113,10 @@ def test_scheduler(stack):
            scheduler_pb2.JobSpec(**ok, domains=["toy.copy"], sampling='{"weights": {"toy.copy": -1}}'))
     expect(IA, "sampling.adaptive.floor", c.start_job,
            scheduler_pb2.JobSpec(**ok, domains=["toy.copy", "toy.next"], sampling='{"adaptive": {"floor": 0.9}}'))
+    dataset = {"path": "/nonexistent/rows.jsonl", "prompt_field": "q", "answer_field": "a", "verifier": "exact_answer"}
+    expect(IA, "domain_config[data.mine].path", c.start_job,
+           scheduler_pb2.JobSpec(**ok, domains=["data.mine"], domain_config={"data.mine": json.dumps(dataset)}))
+    expect(IA, "domain_config[data.mine]", c.start_job, scheduler_pb2.JobSpec(**ok, domains=["data.mine"]))
     expect(grpc.StatusCode.NOT_FOUND, "job_id", c.job, "no-such-job")
     expect(grpc.StatusCode.NOT_FOUND, "job_id", c.pause_job, "no-such-job")
     expect(grpc.StatusCode.NOT_FOUND, "job_id", c.resume_job, "no-such-job")
