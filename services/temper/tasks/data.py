@@ -142,16 +142,38 @@ def _task(domain: str, ds: Dataset, row: Row, task_id: str, split: str) -> commo
 # -- loading and validation ------------------------------------------------------------------------
 
 def load(domain: str, config: dict, field: str = "") -> Dataset:
-    """The dataset ``config`` declares, every row checked; cached per file version (path, size, mtime)."""
+    """The dataset ``config`` declares, every row checked; read once per version of its files (path, size,
+    mtime), so a draw costs a dictionary lookup and a stat."""
     field = field or f"domain_config[{domain}]"
     require(isinstance(config, dict), field, "must be a table (path, prompt_field, answer_field, verifier)")
-    for key in sorted(config):
-        require(key in OPTIONS, f"{field}.{key}", f"unknown option; a data.* domain takes {list(OPTIONS)}")
-    for key in REQUIRED:
-        require(key in config, f"{field}.{key}", "required")
-    for key in sorted(set(OPTIONS) - {"eval_fraction"}):
-        if key in config:
-            require(isinstance(config[key], str), f"{field}.{key}", f"must be a string, got {config[key]!r}")
+    try:
+        key = json.dumps(config, sort_keys=True)
+    except (TypeError, ValueError):
+        raise InvalidArgument("options must be strings and numbers", field=field) from None
+    return _dataset(domain, field, key, _stamp(config.get("path")), _stamp(config.get("eval_path")))
+
+
+def _stamp(path) -> str:
+    """What changes when the file does (a folder: any file in it)."""
+    if not isinstance(path, str) or not path:
+        return ""
+    p = Path(path).expanduser()
+    if not p.exists():
+        return "missing"
+    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file())
+    return json.dumps([(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files])
+
+
+@functools.lru_cache(maxsize=1024)  # a job may declare hundreds of datasets
+def _dataset(domain: str, field: str, key: str, stamp: str, eval_stamp: str) -> Dataset:
+    config = json.loads(key)
+    for option in sorted(config):
+        require(option in OPTIONS, f"{field}.{option}", f"unknown option; a data.* domain takes {list(OPTIONS)}")
+    for option in REQUIRED:
+        require(option in config, f"{field}.{option}", "required")
+    for option in sorted(set(OPTIONS) - {"eval_fraction"}):
+        if option in config:
+            require(isinstance(config[option], str), f"{field}.{option}", f"must be a string, got {config[option]!r}")
     verifier = config["verifier"]
     needs_reference = _check_verifier(verifier, f"{field}.verifier")
     answer_field = config.get("answer_field", "")
@@ -170,8 +192,7 @@ def load(domain: str, config: dict, field: str = "") -> Dataset:
     require(fmt == "hf" or not (config.get("split") or config.get("eval_split")), f"{field}.split",
             "split / eval_split name the splits of a datasets folder (format hf)")
     eval_path = _existing(config["eval_path"], f"{field}.eval_path") if config.get("eval_path") else None
-    key = json.dumps({k: config.get(k) for k in OPTIONS}, sort_keys=True, default=str)
-    return _load(domain, field, key, _stamp(path), _stamp(eval_path) if eval_path else "", fmt, needs_reference)
+    return _read_dataset(config, field, path, eval_path, fmt, needs_reference)
 
 
 def _check_verifier(name: str, field: str) -> bool:
@@ -214,30 +235,24 @@ def _format(path: Path, fmt: str, field: str) -> str:
     return fmt
 
 
-def _stamp(path: Path) -> str:
-    """What changes when the file does (a folder: its newest file)."""
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    return json.dumps([(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files])
+def _read_dataset(config: dict, field: str, path: Path, eval_path: Path | None, fmt: str,
+                  needs_reference: bool) -> Dataset:
+    from temper.reward.verifiers.registry import verifier_of
 
-
-@functools.lru_cache(maxsize=1024)  # a job may declare hundreds of datasets
-def _load(domain: str, field: str, key: str, stamp: str, eval_stamp: str, fmt: str, needs_reference: bool) -> Dataset:
-    config = json.loads(key)
-    path = Path(config["path"]).expanduser().resolve()
     prompt_field, answer_field = config["prompt_field"], config.get("answer_field") or ""
     verifier, instruction = config["verifier"], config.get("instruction") or ""
+    suites = verifier_of(verifier).name == "code"
 
     def rows_of(p: Path, split: str, what: str) -> list[Row]:
         raw = list(_read(p, fmt, split, f"{field}.{what}"))
         require(len(raw) > 0, f"{field}.{what}", f"{p}{f' split {split}' if split else ''} has no rows")
-        return [_row(values, where, p, prompt_field, answer_field, verifier, instruction, needs_reference, field)
+        return [_row(values, where, p, prompt_field, answer_field, suites, instruction, needs_reference, field)
                 for values, where in raw]
 
     rows = rows_of(path, config.get("split") or "", "path")
     held_out: list[Row] = []
     held_out_from = ""
-    if config.get("eval_path"):
-        eval_path = Path(config["eval_path"]).expanduser().resolve()
+    if eval_path is not None:
         held_out, held_out_from = rows_of(eval_path, "", "eval_path"), str(eval_path)
     elif config.get("eval_split"):
         held_out, held_out_from = rows_of(path, config["eval_split"], "eval_split"), f"split {config['eval_split']}"
@@ -254,31 +269,41 @@ def _load(domain: str, field: str, key: str, stamp: str, eval_stamp: str, fmt: s
     return Dataset(str(path), fmt, tuple(rows), tuple(held_out), held_out_from, verifier, prompt_field, answer_field)
 
 
-def _row(values, where: str, path: Path, prompt_field: str, answer_field: str, verifier: str, instruction: str,
+def _row(values, where: str, path: Path, prompt_field: str, answer_field: str, suites: bool, instruction: str,
          needs_reference: bool, field: str) -> Row:
-    at = f"{path} {where}"
-    require(isinstance(values, dict), f"{field}.path", f"{at}: a row must be an object of fields, got "
-                                                       f"{type(values).__name__}")
-    fields = sorted(values)
+    if not isinstance(values, dict):
+        raise InvalidArgument(f"{path} {where}: a row must be an object of fields, got {type(values).__name__}",
+                              field=f"{field}.path")
     prompt = values.get(prompt_field)
-    require(prompt is not None, f"{field}.prompt_field", f"{at} has no field {prompt_field!r} (its fields: {fields})")
-    require(isinstance(prompt, str | int | float) and not isinstance(prompt, bool) and str(prompt).strip() != "",
-            f"{field}.prompt_field", f"{at}: {prompt_field!r} must be a non-empty string, got {prompt!r}"[:300])
-    prompt = f"{prompt}\n\n{instruction}" if instruction else str(prompt)
+    if not (isinstance(prompt, str) and prompt.strip()):  # the common case costs one check
+        if prompt is None:
+            raise InvalidArgument(f"{path} {where} has no field {prompt_field!r} (its fields: {sorted(values)})",
+                                  field=f"{field}.prompt_field")
+        if not (_scalar(prompt) and str(prompt).strip()):
+            raise InvalidArgument(f"{path} {where}: {prompt_field!r} must be a non-empty string, got {prompt!r}"[:300],
+                                  field=f"{field}.prompt_field")
+        prompt = str(prompt)
+    if instruction:
+        prompt = f"{prompt}\n\n{instruction}"
     answer = ""
     if answer_field:
         value = values.get(answer_field)
-        require(value is not None, f"{field}.answer_field", f"{at} has no field {answer_field!r} (its fields: {fields})")
-        answer = _answer(value, verifier, at, f"{field}.answer_field")
-        require(answer.strip() != "" or not needs_reference, f"{field}.answer_field", f"{at}: {answer_field!r} is empty")
+        if value is None:
+            raise InvalidArgument(f"{path} {where} has no field {answer_field!r} (its fields: {sorted(values)})",
+                                  field=f"{field}.answer_field")
+        answer = _answer(value, suites, f"{path} {where}", f"{field}.answer_field")
+        if needs_reference and not answer.strip():
+            raise InvalidArgument(f"{path} {where}: {answer_field!r} is empty", field=f"{field}.answer_field")
     return Row(prompt, answer, where)
 
 
-def _answer(value, verifier: str, at: str, field: str) -> str:
-    """The reference answer as the verifier reads it: the text, or for the code verifier its JSON test suite."""
-    from temper.reward.verifiers.registry import verifier_of
+def _scalar(value) -> bool:
+    return isinstance(value, str | int | float) and not isinstance(value, bool)
 
-    if verifier_of(verifier).name == "code":
+
+def _answer(value, suites: bool, at: str, field: str) -> str:
+    """The reference answer as the verifier reads it: the text, or for the code verifier its JSON test suite."""
+    if suites:
         from temper.reward.verifiers.code import parse_suite
 
         suite = {"tests": value} if isinstance(value, list) else value
@@ -288,10 +313,11 @@ def _answer(value, verifier: str, at: str, field: str) -> str:
         except InvalidArgument as e:
             raise InvalidArgument(f"{at}: not a test suite the sandbox can run: {e}", field=field) from None
         return text
-    require(isinstance(value, str | int | float) and not isinstance(value, bool), field,
-            f"{at}: the answer must be a string or a number, got {type(value).__name__}")
+    if not _scalar(value):
+        raise InvalidArgument(f"{at}: the answer must be a string or a number, got {type(value).__name__}", field=field)
     text = str(value)
-    require(len(text) <= MAX_ANSWER_CHARS, field, f"{at}: the answer is longer than {MAX_ANSWER_CHARS} characters")
+    if len(text) > MAX_ANSWER_CHARS:
+        raise InvalidArgument(f"{at}: the answer is longer than {MAX_ANSWER_CHARS} characters", field=field)
     return text
 
 
