@@ -119,7 +119,8 @@ def make_eval_task(domain: str, rng: random.Random, task_id: str, config: dict |
     ds = load(domain, _required(domain, config), field)
     require(len(ds.held_out) > 0, f"{field}.eval_fraction",
             f"{domain} is evaluated but holds no rows out: set eval_fraction (or eval_path, or eval_split for a "
-            "datasets folder), or leave the job's evaluation off (eval.size = 0)")
+            "datasets folder; a dataset only evaluated, in eval.extra_domains: eval_path = its own path), or leave "
+            "the job's evaluation off (eval.size = 0)")
     i = rng.randrange(len(ds.held_out))
     return _task(domain, ds, ds.held_out[i], task_id, "eval")
 
