@@ -70,7 +70,7 @@ def test_a_finished_jobs_state_round_trips_through_the_store(tmp_path):
     job = loop.make(store)
     job.save()
     job.start()
-    wait_until(lambda: job.state == DONE, 30, what="job done")
+    wait_until(lambda: job.state == DONE, 180, what="job done")
     store.close()
 
     saved = JobStore(tmp_path / "jobs.sqlite").jobs()
@@ -124,21 +124,21 @@ def test_a_job_killed_mid_step_resumes_from_the_step_it_had_not_finished(tmp_pat
     def publish_then_die(group):
         if group.group_id == "j1/s1/p2":
             dead.set()
-            stuck.wait(30)
+            stuck.wait(300)
             raise RuntimeError("killed")
         loop.publish(group)
 
     first = loop.make(Dying(path), publish_then_die)
     first.save()
     first.start()
-    wait_until(dead.is_set, 30, what="the first scheduler dies mid-step")
+    wait_until(dead.is_set, 180, what="the first scheduler dies mid-step")
     saved = JobStore(path).jobs()[0]
     assert saved.state == RUNNING and saved.checkpoint["steps_done"] == 1
 
     store = JobStore(path)
     second = loop.make(store).restore(saved.checkpoint, saved.outcomes)
     second.start()
-    wait_until(lambda: second.state == DONE, 30, what="the resumed job done")
+    wait_until(lambda: second.state == DONE, 180, what="the resumed job done")
     stuck.set()
     first.halt()
 
@@ -164,7 +164,7 @@ def test_a_resumed_job_counts_the_steps_the_learner_already_trained_as_done(tmp_
     job.run_step(1)  # published (and trained: version 2), never checkpointed
     again = loop.make(JobStore(tmp_path / "jobs.sqlite")).restore(checkpoint)
     again.start()
-    wait_until(lambda: again.state == DONE, 30, what="job done")
+    wait_until(lambda: again.state == DONE, 180, what="job done")
     assert len(loop.sent) == 12 and set(loop.sent) == set(loop.stored)  # step 1 not generated again
     assert (again.steps_done, again.groups_published) == (3, 12)
 
@@ -184,7 +184,7 @@ def test_the_servicer_resumes_running_and_paused_jobs_and_keeps_finished_ones(tm
     servicer = SchedulerServicer(make_job)
     assert servicer.resume_saved(store.jobs()) == ["paused", "running"]
     try:
-        wait_until(lambda: servicer.jobs["running"].state == DONE, 30, what="the running job done")
+        wait_until(lambda: servicer.jobs["running"].state == DONE, 180, what="the running job done")
         assert servicer.jobs["paused"].state == PAUSED and not loops["paused"].sent  # holds until ResumeJob
         assert servicer.jobs["done"].status().state == DONE and not loops["done"].sent
         with pytest.raises(FailedPrecondition, match="still running"):
@@ -205,13 +205,13 @@ def test_halting_at_shutdown_leaves_the_job_to_be_resumed(tmp_path):
 
     def publish(group):
         publishing.set()
-        hold.wait(30)
+        hold.wait(300)
         raise RuntimeError("producer closed")
 
     job = Loop(spec()).make(store, publish)
     job.save()
     job.start()
-    wait_until(publishing.is_set, 30, what="publishing")
+    wait_until(publishing.is_set, 180, what="publishing")
     threading.Timer(0.2, hold.set).start()
     job.halt()
     assert job.state == RUNNING and not job.error and store.jobs()[0].state == RUNNING
