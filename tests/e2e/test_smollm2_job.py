@@ -19,7 +19,7 @@ from temper import jobs
 from temper.models.smollm2 import DEFAULT_DIR
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]  # SmolLM2 on 2 cores: minutes per run
 
 MODEL = REPO / DEFAULT_DIR
 SMALL = {("job", "steps"): "2", ("job", "prompts_per_step"): "2", ("job", "group_size"): "4",
