@@ -34,6 +34,14 @@ TOPIC_TYPES = {
     kafka.ALERTS: monitor_pb2.Alert,
 }
 
+# topic -> the consumer groups of the stack that read it (the services' ``consumer_group`` defaults);
+# the fuzz suite fails if the broker knows a group not named here
+CONSUMERS = {
+    kafka.ROLLOUTS: ["temper-reward"],
+    kafka.SCORED: ["temper-replay", "temper-monitor", "temper-scheduler"],
+    kafka.METRICS: ["temper-monitor.metrics"],
+}
+
 
 def covered_methods() -> list[strategies.Method]:
     """Every method of the descriptors whose service the stack serves."""

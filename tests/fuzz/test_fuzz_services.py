@@ -15,23 +15,27 @@ Properties, per case:
   is on ``<topic>.dlq``, once per group.
 
 Methods come from the generated descriptors (``strategies.methods()``): a new method is fuzzed with no
-code here, and ``test_strategies.py`` fails if it names a service this module cannot find. Consumer
-groups come from the broker. Size: ``TEMPER_FUZZ_EXAMPLES`` cases per method (default 10) and per topic
-(default a third of it); derandomized and without a database, so every run tries the same cases.
+code here; ``test_strategies.py`` fails until ``targets.py`` knows its service's process and has a valid
+request of it (the seed its mutations start from; ``test_seeds_are_accepted`` checks it is valid).
+Consumer groups are ``targets.CONSUMERS``, checked against the broker's. Size: ``TEMPER_FUZZ_EXAMPLES``
+cases per method (default 25) and a third of it per topic (each a batch of up to 4 messages);
+derandomized, without a database and without shrinking, so every run tries the same cases.
+``TEMPER_FUZZ_REPORT=PATH`` writes the cases tried per method and their answers as JSON.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import uuid
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import grpc
 import pytest
 from google.protobuf.message import DecodeError
-from hypothesis import HealthCheck, Phase, event, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from kafka import KafkaAdminClient, KafkaConsumer
 from kafka.structs import TopicPartition
@@ -45,11 +49,11 @@ from temper.v1 import common_pb2, scheduler_pb2
 from tests import builders
 from tests.conftest import wait_until
 from tests.fuzz import strategies
-from tests.fuzz.targets import SEEDS, SERVICE_OF, TOPIC_TYPES, Context, covered_methods
+from tests.fuzz.targets import CONSUMERS, SEEDS, SERVICE_OF, TOPIC_TYPES, Context, covered_methods
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = int(os.environ.get("TEMPER_FUZZ_EXAMPLES", "10"))
+EXAMPLES = int(os.environ.get("TEMPER_FUZZ_EXAMPLES", "25"))
 # no shrinking: each step of it is a real call, and a derandomized run finds the same case again anyway
 settings.register_profile("temper-fuzz", max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
                           suppress_health_check=list(HealthCheck), print_blob=False,
@@ -99,6 +103,18 @@ def _cut(request, limit: int):
     return [r[:limit] for r in request] if isinstance(request, list) else request[:limit]
 
 
+ANSWERS: defaultdict[str, Counter[str]] = defaultdict(Counter)  # method id (or topic) -> outcome -> cases
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report():
+    """With ``TEMPER_FUZZ_REPORT=PATH``: the cases tried per method and what they were answered, as JSON."""
+    yield
+    path = os.environ.get("TEMPER_FUZZ_REPORT")
+    if path:
+        Path(path).write_text(json.dumps({k: dict(v) for k, v in sorted(ANSWERS.items())}, indent=1))
+
+
 @pytest.fixture(scope="module")
 def context(stack, tmp_path_factory):
     args = stack.load().services["inference"].args
@@ -129,6 +145,18 @@ def _settle(stack) -> None:
 
 
 @pytest.mark.parametrize("method", covered_methods(), ids=lambda m: m.id)
+def test_seeds_are_accepted(stack, context, method):
+    """The valid requests the fuzz cases start from are valid (else the mutations test only the first check)."""
+    address = stack.load().services[SERVICE_OF[method.service.full_name]].address
+    with transport.channel(address) as channel:
+        for seed in SEEDS[method.id](context):
+            request = [r.SerializeToString() for r in seed] if method.streaming_request else seed.SerializeToString()
+            code, details = call(channel, method, request, DEADLINE)
+            assert code in (S.OK, S.NOT_FOUND, S.FAILED_PRECONDITION), f"{code.name}: {details}"
+    _settle(stack)
+
+
+@pytest.mark.parametrize("method", covered_methods(), ids=lambda m: m.id)
 def test_grpc_method_survives_fuzzed_requests(stack, started, context, method):
     name = SERVICE_OF[method.service.full_name]
     seeds = SEEDS[method.id](context)
@@ -140,7 +168,8 @@ def test_grpc_method_survives_fuzzed_requests(stack, started, context, method):
     @given(request=strategies.request_strategy(method, seeds))
     def case(request):
         code, details = call(channel, method, _cut(request, MAX_SEND), timeout)
-        event(code.name)  # pytest --hypothesis-show-statistics: the answers per method
+        field = FIELD.match(details)
+        ANSWERS[method.id][f"{code.name} {field.group(1)}" if field and code != S.OK else code.name] += 1
         check_status(method, code, details)
         assert_alive(stack, started, name)
 
@@ -169,33 +198,27 @@ def _committed(admin: KafkaAdminClient, group: str) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def consumers(stack):
-    """{topic: [consumer groups]} of the stack, from the broker: one good message on every topic, then
-    every group the broker lists committed on a topic (a group that never does is reported)."""
+    """``CONSUMERS``, once each group committed a good message on its topic (it is up and reading)."""
     bootstrap = stack.load().kafka_bootstrap
     producer = kafka.ProtoProducer(bootstrap, "fuzz")
     admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="fuzz-admin")
-    for topic in (kafka.ROLLOUTS, kafka.SCORED, kafka.METRICS):
+    for topic in CONSUMERS:
         key = f"warm-{uuid.uuid4().hex[:8]}"
         producer.send(topic, key, _good(topic, key)).get(30)
-
-    def all_committed():
-        groups = [g["group_id"] for g in admin.list_groups()]
-        by_group = {g: _committed(admin, g) for g in groups}
-        return by_group if groups and all(by_group.values()) else None
-
-    by_group = wait_until(all_committed, 120, 0.2, "every consumer group to commit")
-    out: dict[str, list[str]] = {}
-    for group, offsets in by_group.items():
-        for topic in offsets:
-            out.setdefault(topic, []).append(group)
-    yield out
+    wait_until(lambda: all(topic in _committed(admin, g) for topic, groups in CONSUMERS.items() for g in groups),
+               120, 0.2, "every consumer group to commit")
+    yield CONSUMERS
     producer.close()
     admin.close()
 
 
-def test_the_stack_has_the_consumers_it_should(consumers):
-    assert set(consumers) == {kafka.ROLLOUTS, kafka.SCORED, kafka.METRICS}
-    assert len(consumers[kafka.SCORED]) == 3  # replay, monitor, scheduler
+def test_the_broker_knows_no_consumer_the_suite_does_not_fuzz(stack, consumers):
+    admin = KafkaAdminClient(bootstrap_servers=stack.load().kafka_bootstrap, client_id="fuzz-admin")
+    try:
+        groups = {g["group_id"] for g in admin.list_groups()}
+    finally:
+        admin.close()
+    assert groups <= {g for gs in consumers.values() for g in gs}, "add the new consumer to targets.CONSUMERS"
 
 
 def _kafka_payloads(message_type) -> st.SearchStrategy[list[bytes]]:
@@ -212,7 +235,7 @@ def _undecodable(message_type, value: bytes) -> bool:
     return False
 
 
-@pytest.mark.parametrize("topic", [kafka.ROLLOUTS, kafka.SCORED, kafka.METRICS])
+@pytest.mark.parametrize("topic", list(CONSUMERS))
 def test_kafka_consumers_survive_fuzzed_messages(stack, started, consumers, topic):
     bootstrap = stack.load().kafka_bootstrap
     groups = consumers[topic]
@@ -248,6 +271,8 @@ def test_kafka_consumers_survive_fuzzed_messages(stack, started, consumers, topi
             return all(dead[k] >= n for k, n in want.items())
 
         wait_until(dead_lettered, 30, 0.05, f"the undecodable messages on {topic}.dlq")
+        ANSWERS[f"kafka:{topic}"]["dead-lettered (undecodable)"] += len(want)
+        ANSWERS[f"kafka:{topic}"]["messages"] += len(payloads)
         for name in started:
             assert_alive(stack, started, name)
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from temper.runtime import kafka
 from tests.fuzz import strategies
-from tests.fuzz.targets import SEEDS, SERVICE_OF, TOPIC_TYPES, Context, covered_methods
+from tests.fuzz.targets import CONSUMERS, SEEDS, SERVICE_OF, TOPIC_TYPES, Context, covered_methods
 
 METHODS = strategies.methods()
 
@@ -36,6 +36,7 @@ def test_seeds_are_requests_of_their_method(method, tmp_path):
 
 def test_every_topic_has_a_message_type():
     assert set(kafka.ALL_TOPICS) <= set(TOPIC_TYPES), "a topic the Kafka fuzz does not know the type of"
+    assert set(CONSUMERS) <= set(kafka.ALL_TOPICS)
 
 
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: m.id)

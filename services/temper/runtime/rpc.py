@@ -22,13 +22,31 @@ RPC_ERRORS = Counter("temper_rpc_errors_total", "RPCs answered with an error sta
 _log = get_logger(component="rpc")
 
 
+# Status details travel in a trailer (percent-encoded: up to 12 bytes per character) and gRPC drops a
+# call whose trailers pass 16 KiB, so a message that quotes a huge request value ("no job 'xxx…'") would
+# reach the client as RESOURCE_EXHAUSTED "Stream removed" instead of its status: the field and the
+# message are cut here (each on its own, so the details still start with "field: ").
+MAX_FIELD_CHARS, MAX_MESSAGE_CHARS = 160, 480
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
+def _details(e: Exception) -> str:
+    if isinstance(e, TemperError):
+        message = _cut(e.message, MAX_MESSAGE_CHARS)
+        return f"{_cut(e.field, MAX_FIELD_CHARS)}: {message}" if e.field else message
+    return _cut(f"internal error: {type(e).__name__}: {e}", MAX_MESSAGE_CHARS)
+
+
 def _abort(context: grpc.ServicerContext, method: str, e: Exception):
     if isinstance(e, TemperError):
         RPC_ERRORS.labels(method, e.code.name).inc()
-        context.abort(e.code, str(e))
+        context.abort(e.code, _details(e))
     RPC_ERRORS.labels(method, "INTERNAL").inc()
     _log.exception("rpc failed", method=method)
-    context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+    context.abort(grpc.StatusCode.INTERNAL, _details(e))
 
 
 class _Undecodable:
