@@ -48,6 +48,9 @@ def test_inference(stack):
     expect(IA, "prompts[1].text", c.generate, ["copy 1", ""])
     expect(IA, "sampling.temperature", c.generate, ["copy 1"], temperature=-1)
     expect(IA, "prompts[0].token_ids", c.generate, [[99999]])
+    # prompts x n past max_sequences_per_request (4096): refused before any work (it used to run, memory unbounded)
+    expect(IA, "sampling.n", c.generate, ["copy 1"], n=2**31 - 1, max_tokens=1)
+    expect(IA, "prompts", c.generate, ["copy 1"] * 5000, max_tokens=1)
     # (an unknown sampling field, sent raw, is refused: tests/inference/test_service.py)
     # weight updates: bad checksum, missing tensor, misshapen tensor; the old version keeps serving
     version = c.policy_version()
@@ -120,6 +123,9 @@ def test_scheduler(stack):
     expect(grpc.StatusCode.NOT_FOUND, "job_id", c.job, "no-such-job")
     expect(grpc.StatusCode.NOT_FOUND, "job_id", c.pause_job, "no-such-job")
     expect(grpc.StatusCode.NOT_FOUND, "job_id", c.resume_job, "no-such-job")
+    # an error quoting a huge value keeps its status (details are cut, not dropped with the call)
+    e = expect(grpc.StatusCode.NOT_FOUND, "job_id", c.job, "x" * 100_000)
+    assert e.details().startswith("job_id: ") and len(e.details()) < 1000, len(e.details())
     assert c.list_jobs() == []  # every StartJob above was refused: no job was made
     assert check_health(addr) == "SERVING"
 
@@ -130,6 +136,11 @@ def test_learner_and_monitor(stack):
     assert status.algorithm == "grpo+ppo_clip"
     expect(grpc.StatusCode.INVALID_ARGUMENT, "path", LearnerClient(addrs["learner"]).stub.Checkpoint,
            learner_pb2.CheckpointRequest(path="../../outside"), timeout=10)
+    for bad in ["a\x00b", "/tmp/\x00x"]:  # NUL in a path: INVALID_ARGUMENT, not ValueError -> INTERNAL
+        expect(grpc.StatusCode.INVALID_ARGUMENT, "path", LearnerClient(addrs["learner"]).stub.Checkpoint,
+               learner_pb2.CheckpointRequest(path=bad), timeout=10)
+        expect(grpc.StatusCode.INVALID_ARGUMENT, "path", LearnerClient(addrs["learner"]).stub.ExportPolicy,
+               learner_pb2.ExportPolicyRequest(path=bad), timeout=10)
     monitor = MonitorClient(addrs["monitor"])
     monitor.reward_curve("no-such-domain")  # empty, not an error
     assert monitor.list_alerts(job_id="no-such-job") == []
@@ -155,3 +166,24 @@ def test_errors_are_counted_on_the_metrics_endpoint(stack):
     line = [x for x in body.splitlines() if x.startswith("temper_rpc_errors_total{")
             and "ReplayService/Stats" in x and "INVALID_ARGUMENT" in x]
     assert line and float(line[0].rsplit(" ", 1)[1]) >= 1.0
+
+
+def test_undecodable_requests_are_invalid_argument_naming_the_request(stack):
+    """Bytes that are no protobuf (a truncated length prefix): INVALID_ARGUMENT naming the request, or the
+    stream's item, not gRPC's own INTERNAL "Exception deserializing request!"."""
+    s = clients(stack)
+    garbage = b"\x0a\xff\xff\xff\xff\x0f"
+    for service, method in [("reward", "/temper.v1.RewardService/Score"),
+                            ("scheduler", "/temper.v1.SchedulerService/StartJob"),
+                            ("monitor", "/temper.v1.MonitorService/ListAlerts"),
+                            ("replay", "/temper.v1.ReplayService/Sample")]:
+        with grpc.insecure_channel(s[service]) as ch:
+            e = expect(grpc.StatusCode.INVALID_ARGUMENT, "request:", ch.unary_unary(method), garbage, timeout=10)
+            assert e.details().startswith("request: not a valid message"), e.details()
+    for service, method in [("replay", "/temper.v1.ReplayService/Insert"),
+                            ("inference", "/temper.v1.InferenceService/UpdateWeights")]:
+        with grpc.insecure_channel(s[service]) as ch:
+            e = expect(grpc.StatusCode.INVALID_ARGUMENT, "requests[0]", ch.stream_unary(method), iter([garbage]),
+                       timeout=10)
+    for name, addr in s.items():
+        assert check_health(addr) == "SERVING", name

@@ -187,10 +187,10 @@ def test_the_servicer_resumes_running_and_paused_jobs_and_keeps_finished_ones(tm
         wait_until(lambda: servicer.jobs["running"].state == DONE, 180, what="the running job done")
         assert servicer.jobs["paused"].state == PAUSED and not loops["paused"].sent  # holds until ResumeJob
         assert servicer.jobs["done"].status().state == DONE and not loops["done"].sent
-        with pytest.raises(FailedPrecondition, match="still running"):
+        with pytest.raises(FailedPrecondition, match="^spec.job_id: .*still running"):
             servicer.StartJob(scheduler_pb2.StartJobRequest(spec=spec(job_id="new").to_proto()), None)
         servicer.jobs["paused"].stop()
-        with pytest.raises(FailedPrecondition, match="already ran"):
+        with pytest.raises(FailedPrecondition, match="^spec.job_id: .*already ran"):
             servicer.StartJob(scheduler_pb2.StartJobRequest(spec=spec(job_id="done").to_proto()), None)
     finally:
         servicer.stop_all()

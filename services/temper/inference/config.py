@@ -18,6 +18,8 @@ class InferenceConfig(ServiceConfig):
     dtype: str = Field("auto", description='weights\' dtype in memory; "auto": as stored in the checkpoint')
     seed: int = Field(0, description="sampling RNG of requests without their own seed")
     max_chunk_bytes: int = Field(4 << 20, description="largest UpdateWeightsRequest.data (one chunk) accepted")
+    max_sequences_per_request: int = Field(4096, ge=1, description="most completions one Generate may ask for "
+                                           "(prompts x sampling.n); more: INVALID_ARGUMENT, before any work")
     # hf engine
     device: str = Field("auto", description='hf engine: "cpu", "cuda", "cuda:1", or "auto" (cuda when available)')
     max_batch_rows: int = Field(256, description="hf engine: sequences per generate call")

@@ -29,7 +29,8 @@ class InferenceService(Service[InferenceConfig]):
 
         engine = engine_from_config(self.config)  # the slow part (model load); the port is already bound
         stack.callback(engine.close)
-        self.servicer = InferenceServicer(engine, self.config.max_chunk_bytes, model_name=self.config.model_dir)
+        self.servicer = InferenceServicer(engine, self.config.max_chunk_bytes, model_name=self.config.model_dir,
+                                          max_sequences=self.config.max_sequences_per_request)
 
     def register(self, server) -> list[str]:
         from temper.v1 import inference_pb2, inference_pb2_grpc

@@ -11,16 +11,21 @@ from temper.v1 import inference_pb2, inference_pb2_grpc
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
-    def __init__(self, engine: Engine, max_chunk_bytes: int, model_name: str):
+    def __init__(self, engine: Engine, max_chunk_bytes: int, model_name: str, max_sequences: int = 4096):
         self.engine = engine
         self.max_chunk_bytes = max_chunk_bytes
         self.model_name = model_name
+        self.max_sequences = max_sequences  # prompts x n of one request: one call must not exhaust memory
         # an update may carry every tensor at up to 8 bytes per element (float64), plus headers
         numel = sum(math.prod(shape) for shape, _ in engine.weight_specs().values())
         self.max_update_bytes = 8 * numel + (1 << 20)
 
     def Generate(self, request, context):
         reject_unknown_fields(request, "request")
+        asked = len(request.prompts) * request.sampling.n
+        require(asked <= self.max_sequences, "sampling.n" if request.sampling.n > 1 else "prompts",
+                f"{len(request.prompts)} prompts x n {request.sampling.n} = {asked} completions exceed this server's "
+                f"max_sequences_per_request of {self.max_sequences}")
         prompts = []
         for i, p in enumerate(request.prompts):
             kind = p.WhichOneof("input")

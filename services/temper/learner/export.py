@@ -22,6 +22,7 @@ SKIP_NAMES = {"model.safetensors.index.json", "temper-tiny-recipe.json", "temper
 def export_policy(weights: dict[str, torch.Tensor], model_dir: str | Path, path: str | Path, dtype: str = "",
                   meta: dict | None = None) -> int:
     """Write the folder at ``path`` (atomically: a temporary sibling renamed into place); returns bytes written."""
+    require("\x00" not in str(path), "path", "must not contain a NUL character")
     target = Path(path)
     require(target.is_absolute(), "path", f"must be absolute, got {str(path)!r}")
     require(not target.exists() or (target.is_dir() and not any(target.iterdir())), "path",

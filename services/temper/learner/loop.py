@@ -270,6 +270,7 @@ class LearnerLoop:
             raise InvalidArgument("this learner has no checkpoint_dir", field="path")
         step = self.trainer.step_count
         if path:
+            require("\x00" not in path, "path", "must not contain a NUL character")
             target = (root / path).resolve()
             if not target.is_relative_to(root.resolve()):
                 raise InvalidArgument(f"must name a directory inside the checkpoint dir {root}", field="path")
@@ -278,7 +279,12 @@ class LearnerLoop:
             if checkpoint.latest(root) == target.resolve() and (target / "trainer.json").exists():
                 return target  # this very state is already the latest checkpoint
         t0 = time.perf_counter()
-        checkpoint.save(self.trainer, target)
+        try:
+            checkpoint.save(self.trainer, target)
+        except OSError as e:
+            if not path:  # our own folder: the server's fault (a full disk), not the caller's
+                raise
+            raise InvalidArgument(f"cannot write {target}: {e.strerror}", field="path") from None
         checkpoint.mark_latest(root, target)
         checkpoint.prune(root, self.keep_checkpoints)
         if self.mirror is not None:  # a failed upload fails the checkpoint (StorageError), loudly

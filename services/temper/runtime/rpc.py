@@ -14,7 +14,7 @@ from opentelemetry.instrumentation.grpc.grpcext import intercept_channel
 from prometheus_client import Counter
 
 from temper.client import transport
-from temper.runtime.errors import TemperError
+from temper.runtime.errors import InvalidArgument, TemperError
 from temper.runtime.logs import get_logger
 
 RPC_ERRORS = Counter("temper_rpc_errors_total", "RPCs answered with an error status", ["method", "code"])
@@ -22,28 +22,90 @@ RPC_ERRORS = Counter("temper_rpc_errors_total", "RPCs answered with an error sta
 _log = get_logger(component="rpc")
 
 
+# Status details travel in a trailer (percent-encoded: up to 12 bytes per character) and gRPC drops a
+# call whose trailers pass 16 KiB, so a message that quotes a huge request value ("no job 'xxx…'") would
+# reach the client as RESOURCE_EXHAUSTED "Stream removed" instead of its status: the field and the
+# message are cut here (each on its own, so the details still start with "field: ").
+MAX_FIELD_CHARS, MAX_MESSAGE_CHARS = 160, 480
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
+def _details(e: Exception) -> str:
+    if isinstance(e, TemperError):
+        message = _cut(e.message, MAX_MESSAGE_CHARS)
+        return f"{_cut(e.field, MAX_FIELD_CHARS)}: {message}" if e.field else message
+    return _cut(f"internal error: {type(e).__name__}: {e}", MAX_MESSAGE_CHARS)
+
+
 def _abort(context: grpc.ServicerContext, method: str, e: Exception):
     if isinstance(e, TemperError):
         RPC_ERRORS.labels(method, e.code.name).inc()
-        context.abort(e.code, str(e))
+        context.abort(e.code, _details(e))
     RPC_ERRORS.labels(method, "INTERNAL").inc()
     _log.exception("rpc failed", method=method)
-    context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+    context.abort(grpc.StatusCode.INTERNAL, _details(e))
+
+
+class _Undecodable:
+    """A request whose bytes did not parse, handed to the behaviour in the request's place.
+
+    gRPC answers a deserializer's exception with INTERNAL ("Exception deserializing request!"),
+    as if the server were at fault; the behaviour raises this instead, so the client hears
+    INVALID_ARGUMENT naming the request (or the stream's item) that was malformed."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def invalid(self, field: str) -> TemperError:
+        if isinstance(self.error, TemperError):  # a deserializer that validates names its own field
+            return self.error
+        return InvalidArgument(f"not a valid message: {self.error}", field=field)
+
+
+def _tolerant(deserialize):
+    if deserialize is None:
+        return None
+
+    def inner(data: bytes):
+        try:
+            return deserialize(data)
+        except Exception as e:  # noqa: BLE001 - any parse failure is the client's bytes
+            return _Undecodable(e)
+    return inner
+
+
+def _checked(requests):
+    for i, request in enumerate(requests):
+        if isinstance(request, _Undecodable):
+            raise request.invalid(f"requests[{i}]")
+        yield request
 
 
 class ErrorMappingInterceptor(grpc.ServerInterceptor):
-    """Turn exceptions raised by servicers into statuses: TemperError keeps its code and field."""
+    """Turn exceptions raised by servicers into statuses: TemperError keeps its code and field; a
+    request that does not parse is INVALID_ARGUMENT (field ``request``, or ``requests[i]`` in a stream)."""
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
         method = handler_call_details.method
+        streaming = handler.request_streaming
+
+        def checked(request):
+            if streaming:
+                return _checked(request)
+            if isinstance(request, _Undecodable):
+                raise request.invalid("request")
+            return request
 
         def wrap_unary(behavior):
             def inner(request, context):
                 try:
-                    return behavior(request, context)
+                    return behavior(checked(request), context)
                 except TemperError as e:
                     _abort(context, method, e)
                 except grpc.RpcError:
@@ -55,7 +117,7 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
         def wrap_stream(behavior):
             def inner(request, context):
                 try:
-                    yield from behavior(request, context)
+                    yield from behavior(checked(request), context)
                 except TemperError as e:
                     _abort(context, method, e)
                 except grpc.RpcError:
@@ -64,7 +126,7 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
                     _abort(context, method, e)
             return inner
 
-        kw = dict(request_deserializer=handler.request_deserializer,
+        kw = dict(request_deserializer=_tolerant(handler.request_deserializer),
                   response_serializer=handler.response_serializer)
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary), **kw)

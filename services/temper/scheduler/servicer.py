@@ -54,9 +54,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             raise InvalidArgument(e.message, field=f"spec.{e.field}") from None
         running = [j for j in self.jobs.values() if j.state in ACTIVE]
         if running:
-            raise FailedPrecondition(f"job {running[0].spec.job_id} is still running", field="job_id")
+            raise FailedPrecondition(f"job {running[0].spec.job_id} is still running", field="spec.job_id")
         if spec.job_id in self.jobs:
-            raise FailedPrecondition(f"job {spec.job_id} already ran; pick a new id", field="job_id")
+            raise FailedPrecondition(f"job {spec.job_id} already ran; pick a new id", field="spec.job_id")
         job = self.make_job(spec, False)
         job.save()  # accepted: a scheduler that dies from here on resumes it
         job = self.jobs[spec.job_id] = job.start()
