@@ -19,6 +19,8 @@ class MonitorConfig(ServiceConfig):
     groups_per_step: int = Field(0, description="groups of one scheduler step, for groups that do not say "
                                                 "(RolloutGroup.step_groups = 0); 0: such a step closes when the "
                                                 "next one starts")
+    read_traces: bool = Field(True, description="consume the sandbox's execution traces (`sandbox-traces`, as "
+                                                "<group>.traces): the code_exploit detector's evidence from the runs")
     detectors: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="detector settings, the [monitor.detectors.<name>] tables: enabled, "
         "policy (warn | pause | stop), severity, cooldown_steps, the detector's parameters, and per-domain overrides in "

@@ -11,6 +11,13 @@ setting, if set), or else when the first group of a later step of that job arriv
 that arrives after its step closed moves the reward curve but no longer the closed step. A
 learner step closes on arrival (domain ``*``).
 
+Execution traces (the ``sandbox-traces`` topic) of code trajectories are recorded once per
+execution id, with what their run showed (``stats.trace_flags``) and the trajectory ids they
+carry (``ExecutionTrace.origin``). When a step closes, the traces of its groups add their tallies
+to the step (``stats.trace_counts``); a trace that arrives after its group's step closed amends
+that step's tallies and the detectors run again (the two topics are not ordered between them).
+A trace with no origin (a direct caller of the sandbox) says nothing about a job and is ignored.
+
 Alerts: a detector's finding becomes an Alert with its evidence, at most once per
 (job, domain, detector) every ``cooldown_steps`` steps. It is written to the store (pending)
 together with the message that raised it, then its policy acts (warn: nothing more; pause/stop:
@@ -36,7 +43,7 @@ from temper.monitor import detectors as det
 from temper.monitor import stats
 from temper.runtime.errors import InvalidArgument, require
 from temper.runtime.logs import get_logger
-from temper.v1 import common_pb2, monitor_pb2
+from temper.v1 import common_pb2, monitor_pb2, sandbox_pb2
 
 _log = get_logger(component="monitor")
 
@@ -152,7 +159,7 @@ def _alert_matches(a: monitor_pb2.Alert, r: monitor_pb2.ListAlertsRequest) -> bo
 
 
 class Monitor:
-    """Thread-safe: the ``scored`` and ``metrics`` consumers call in from their own threads."""
+    """Thread-safe: the ``scored``, ``metrics`` and ``sandbox-traces`` consumers call in from their own threads."""
 
     def __init__(self, path: str | Path, detectors: DetectorSet | None = None, groups_per_step: int = 0,
                  act: Callable[[monitor_pb2.Alert, str], str] | None = None,
@@ -175,6 +182,9 @@ class Monitor:
                                               PRIMARY KEY (domain, policy_version));
             CREATE TABLE IF NOT EXISTS steps (job_id TEXT, source TEXT, domain TEXT, step INTEGER, stats TEXT,
                                               PRIMARY KEY (job_id, source, domain, step));
+            CREATE TABLE IF NOT EXISTS traces (execution_id TEXT PRIMARY KEY, job_id TEXT, group_id TEXT,
+                                               trajectory_ids TEXT, flags TEXT);
+            CREATE INDEX IF NOT EXISTS traces_group ON traces (group_id);
             CREATE TABLE IF NOT EXISTS alerts (alert_id TEXT PRIMARY KEY, seq INTEGER, body BLOB, policy TEXT,
                                                pending INTEGER);
         """)
@@ -282,6 +292,76 @@ class Monitor:
         self._dispatch_all(raised)
         return [a for a, _ in raised]
 
+    def add_trace(self, trace: sandbox_pb2.ExecutionTrace) -> list[monitor_pb2.Alert]:
+        """Record one execution trace once (by execution id); amend its step if that closed already."""
+        origin = trace.origin
+        if not origin.job_id or not origin.group_id or not origin.trajectory_ids:
+            return []  # not from a job's reward run: nothing to join
+        require(bool(trace.execution_id), "execution_id", "must be set")
+        require(trace.method in ("Execute", "RunTests"), "method", f"must be Execute or RunTests, got {trace.method!r}")
+        require(trace.method != "RunTests" or trace.HasField("run_tests_request"), "run_tests_request",
+                "a RunTests trace carries its request")
+        if trace.verdict == sandbox_pb2.VERDICT_SANDBOX_ERROR:
+            return []  # the sandbox failed, not the program: it shows nothing (the run is retried)
+        flags = sorted(stats.trace_flags(trace))
+        self._flush_if_pending()
+        with self._lock:
+            if self._db.execute("SELECT 1 FROM traces WHERE execution_id = ?", (trace.execution_id,)).fetchone():
+                return []
+            raised: list[tuple[monitor_pb2.Alert, str]] = []
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("INSERT INTO traces VALUES (?, ?, ?, ?, ?)",
+                                 (trace.execution_id, origin.job_id, origin.group_id,
+                                  json.dumps(list(origin.trajectory_ids)), json.dumps(flags)))
+                row = self._db.execute("SELECT job_id, domain, step, closed FROM groups WHERE group_id = ?",
+                                       (origin.group_id,)).fetchone()
+                if row is not None and row[3]:
+                    raised = self._amend(row[0], row[1], row[2])
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                self._inflight.difference_update(a.alert_id for a, _ in raised)
+                self._reload_after_rollback()
+                raise
+        self._dispatch_all(raised)
+        return [a for a, _ in raised]
+
+    def _traced(self, job: str, domain: str, step: int) -> tuple[dict[str, float], list[str]]:
+        """The trace tallies of the groups of (job, domain, step): each traced trajectory once, its flags
+        the union over its traces (a group scored again is traced again)."""
+        by_tid: dict[str, set[str]] = {}
+        for ids, flags in self._db.execute(
+                "SELECT t.trajectory_ids, t.flags FROM traces t JOIN groups g ON t.group_id = g.group_id "
+                "WHERE g.job_id = ? AND g.domain = ? AND g.step = ? ORDER BY t.rowid", (job, domain, step)):
+            for tid in json.loads(ids):
+                by_tid.setdefault(tid, set()).update(json.loads(flags))
+        return stats.trace_counts(list(by_tid.items()))
+
+    @staticmethod
+    def _with_traces(s: det.StepStats, counts: dict[str, float], flagged: list[str]) -> None:
+        for k in [k for k in s.values if k == "code.traced" or k.startswith("code.observed")]:
+            del s.values[k]
+        if counts.get("code.traced"):
+            s.values.update(counts)
+        if flagged:
+            s.examples["code_observed"] = flagged[:stats.EXAMPLES_PER_KEY * 2]
+        else:
+            s.examples.pop("code_observed", None)
+
+    def _amend(self, job: str, domain: str, step: int) -> list[tuple[monitor_pb2.Alert, str]]:
+        """A trace came in after its step closed: the step's trace tallies again, then the detectors."""
+        series = self._series.get((job, "scored", domain))
+        found = [s for s in (series.steps if series else []) if s.step == step]
+        if not found:
+            return []
+        s = found[0]
+        self._with_traces(s, *self._traced(job, domain, step))
+        self._db.execute("UPDATE steps SET stats = ? WHERE job_id = ? AND source = 'scored' AND domain = ? AND step = ?",
+                         (json.dumps({"samples": s.samples, "values": s.values, "examples": s.examples}),
+                          job, domain, step))
+        return self._detect(job, "scored", domain)
+
     def _reload_after_rollback(self) -> None:
         self._series.clear()
         self._open.clear()
@@ -297,7 +377,9 @@ class Monitor:
             by_domain[g.domain].append(g)
         raised = []
         for domain in sorted(by_domain):
-            raised += self._append(job, "scored", domain, stats.merge(step, by_domain[domain]))
+            s = stats.merge(step, by_domain[domain])
+            self._with_traces(s, *self._traced(job, domain, step))
+            raised += self._append(job, "scored", domain, s)
         return raised
 
     def _append(self, job: str, source: str, domain: str, s: det.StepStats) -> list[tuple[monitor_pb2.Alert, str]]:
@@ -308,6 +390,12 @@ class Monitor:
         for name in SERIES_EXPORTED:
             if name in s.values:
                 SERIES.labels(job, domain, name).set(s.values[name])
+        return self._detect(job, source, domain)
+
+    def _detect(self, job: str, source: str, domain: str) -> list[tuple[monitor_pb2.Alert, str]]:
+        """Run the detectors of (source, domain) on the series as it stands; the newest step is the alert's."""
+        series = self._series[(job, source, domain)]
+        s = series.steps[-1]
         raised = []
         for name, settings in self.detectors.for_domain(source, domain):
             last = self._last_alert.get((job, domain, name))

@@ -1,4 +1,4 @@
-"""The monitor service: `scored` + `metrics` -> curves, detectors, alerts, served over gRPC.
+"""The monitor service: `scored` + `metrics` (+ `sandbox-traces`) -> curves, detectors, alerts, over gRPC.
 
 Alerts go to the `alerts` topic, the log (JSON lines) and Prometheus
 (``temper_monitor_alerts_total``); a detector whose policy is pause or stop acts on the job
@@ -18,7 +18,7 @@ from temper.runtime import kafka
 from temper.runtime.errors import InvalidArgument
 from temper.runtime.rpc import client
 from temper.runtime.service import Service, StartupError
-from temper.v1 import common_pb2, monitor_pb2, monitor_pb2_grpc, scheduler_pb2
+from temper.v1 import common_pb2, monitor_pb2, monitor_pb2_grpc, sandbox_pb2, scheduler_pb2
 
 
 class MonitorService(Service[MonitorConfig]):
@@ -51,6 +51,10 @@ class MonitorService(Service[MonitorConfig]):
             # every restart of either a rebalance of both
             kafka.ProtoConsumer(config.kafka_bootstrap, kafka.METRICS, f"{config.consumer_group}.metrics",
                                 common_pb2.StepMetrics, self.monitor.add_metrics).start()]
+        if config.read_traces:
+            self.consumers.append(kafka.ProtoConsumer(
+                config.kafka_bootstrap, kafka.SANDBOX_TRACES, f"{config.consumer_group}.traces",
+                sandbox_pb2.ExecutionTrace, self.monitor.add_trace).start())
         for c in self.consumers:
             stack.callback(c.stop)
 

@@ -141,7 +141,7 @@ class Scorer:
             if v.needs_reference:
                 require(bool(task.reference_answer.strip()), "group.task.reference_answer",
                         f"domain {task.domain!r} ({name}) needs a reference answer")
-            prepared[name] = v.prepare(task, "group.task")
+            prepared[name] = v.prepare_group(group, "group")
 
         # a prefilled start of the answer (the job's response_prefix) is part of what the verifier reads
         prefix = task.metadata.get("response_prefix", "")

@@ -6,8 +6,16 @@ beginning and writes JSON-lines records for ``temper.reward.train``.
   with its lowest, same prompt; at most ``max_pairs`` per group) and one outcome record per
   trajectory whose label is its verifier score: the weighted mean of its rule-based components
   (everything but rm, prm and length_penalty) with weight > 0, in [0, 1].
-* A sandbox RunTests trace gives an outcome record: the program against the fraction of its
-  tests it passed (the trace carries no prompt: the record's prompt is empty).
+  Every outcome record names its ``job_id``, ``group_id``, ``task_id`` and ``trajectory_id``.
+* Code trajectories: the sandbox's RunTests trace of a trajectory's program carries the
+  trajectory's ids (``ExecutionTrace.origin``, set by the reward service), and the trajectory's
+  outcome record is joined with it: ``tests`` (per test, in the suite's order: index, verdict,
+  passed, exit_code, signal, message; a test the run never reached is ``NOT_RUN``) and
+  ``test_labels`` (1.0 / 0.0 per test): a step-like signal of the program, one step per test.
+* A RunTests trace with no origin (a direct caller of the sandbox) gives an outcome record of the
+  program alone against the fraction of its tests it passed, with an empty prompt. A trace with
+  an origin whose trajectories are not on `scored` (not scored yet, or scored in error) gives no
+  record: it is counted as ``unjoined``.
 
 Groups or trajectories whose reward is not OK are skipped (an unknown outcome is not a label).
 """
@@ -35,14 +43,19 @@ def verifier_label(reward: common_pb2.Reward) -> float | None:
     return min(1.0, max(0.0, label))
 
 
-def records_from_group(group: common_pb2.RolloutGroup, max_pairs: int = 4) -> list[dict]:
+def records_from_group(group: common_pb2.RolloutGroup, max_pairs: int = 4,
+                       test_outcomes: dict[str, dict] | None = None) -> list[dict]:
+    """``test_outcomes``: trajectory id -> ``test_outcomes(trace)`` of its program's execution trace."""
     trajs = [t for t in group.trajectories if t.reward.status == common_pb2.REWARD_STATUS_OK]
     prompt = group.task.prompt
     out = []
     for t in trajs:
         label = verifier_label(t.reward)
         if label is not None:
-            out.append({"prompt": prompt, "completion": t.completion_text, "label": label})
+            rec = {"prompt": prompt, "completion": t.completion_text, "label": label, "job_id": group.job_id,
+                   "group_id": group.group_id, "task_id": group.task.task_id, "trajectory_id": t.trajectory_id}
+            rec.update((test_outcomes or {}).get(t.trajectory_id, {}))
+            out.append(rec)
     if len(trajs) >= 2:
         best = max(t.reward.total for t in trajs)
         worst = min(t.reward.total for t in trajs)
@@ -55,7 +68,31 @@ def records_from_group(group: common_pb2.RolloutGroup, max_pairs: int = 4) -> li
     return out
 
 
+def test_outcomes(trace: sandbox_pb2.ExecutionTrace) -> dict | None:
+    """The per-test outcome of a RunTests trace: ``{"tests": [...], "test_labels": [...], "execution_id"}``
+    (see the module doc); None for an Execute trace or a run the sandbox itself failed."""
+    if trace.method != "RunTests" or not trace.HasField("run_tests_request"):
+        return None
+    if trace.verdict == sandbox_pb2.VERDICT_SANDBOX_ERROR:
+        return None
+    resp = trace.run_tests_response
+    compiled = resp.compile_verdict in (sandbox_pb2.VERDICT_OK, sandbox_pb2.VERDICT_UNSPECIFIED)
+    tests = []
+    for i in range(len(trace.run_tests_request.tests)):
+        if i < len(resp.results):
+            r = resp.results[i]
+            verdict = sandbox_pb2.Verdict.Name(r.verdict).removeprefix("VERDICT_")
+            tests.append({"index": i, "verdict": verdict, "passed": r.verdict == sandbox_pb2.VERDICT_OK,
+                          "exit_code": r.exit_code, "signal": r.signal, "message": r.message})
+        else:
+            verdict = "NOT_RUN" if compiled else sandbox_pb2.Verdict.Name(resp.compile_verdict).removeprefix("VERDICT_")
+            tests.append({"index": i, "verdict": verdict, "passed": False, "exit_code": 0, "signal": 0,
+                          "message": "" if compiled else resp.compile.message})
+    return {"execution_id": trace.execution_id, "tests": tests, "test_labels": [float(t["passed"]) for t in tests]}
+
+
 def records_from_trace(trace: sandbox_pb2.ExecutionTrace) -> list[dict]:
+    """The record of a trace with no origin: the program alone, with an empty prompt (see the module doc)."""
     if trace.method != "RunTests" or not trace.HasField("run_tests_request"):
         return []
     req, resp = trace.run_tests_request, trace.run_tests_response
@@ -97,19 +134,32 @@ def read_topic(bootstrap: str, topic: str, message_type, idle_seconds: float = 2
 
 def export(bootstrap: str, out: str | Path, scored_topic: str = "scored", traces_topic: str = "sandbox-traces",
            max_pairs: int = 4) -> dict[str, int]:
-    counts = {"groups": 0, "traces": 0, "records": 0}
+    counts = {"groups": 0, "traces": 0, "records": 0, "joined": 0, "unjoined": 0}
+    outcomes: dict[str, dict] = {}  # trajectory id -> its program's per-test outcome
+    unlinked: list[dict] = []
+    if traces_topic:
+        for trace in read_topic(bootstrap, traces_topic, sandbox_pb2.ExecutionTrace):
+            counts["traces"] += 1
+            if trace.origin.trajectory_ids:
+                found = test_outcomes(trace)
+                if found is not None:
+                    outcomes.update((tid, found) for tid in trace.origin.trajectory_ids)
+            else:
+                unlinked.extend(records_from_trace(trace))
+    used: set[str] = set()
     with open(out, "w") as f:
         for group in read_topic(bootstrap, scored_topic, common_pb2.RolloutGroup):
             counts["groups"] += 1
-            for rec in records_from_group(group, max_pairs):
+            for rec in records_from_group(group, max_pairs, outcomes):
+                if "tests" in rec:
+                    used.add(rec["trajectory_id"])
                 f.write(json.dumps(rec) + "\n")
                 counts["records"] += 1
-        if traces_topic:
-            for trace in read_topic(bootstrap, traces_topic, sandbox_pb2.ExecutionTrace):
-                counts["traces"] += 1
-                for rec in records_from_trace(trace):
-                    f.write(json.dumps(rec) + "\n")
-                    counts["records"] += 1
+        for rec in unlinked:
+            f.write(json.dumps(rec) + "\n")
+            counts["records"] += 1
+    counts["joined"] = len(used)
+    counts["unjoined"] = len(set(outcomes) - used)
     return counts
 
 

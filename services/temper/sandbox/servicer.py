@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from prometheus_client import Counter, Histogram
 
-from temper.runtime.errors import reject_unknown_fields
+from temper.runtime.errors import reject_unknown_fields, require
 from temper.sandbox.core import (
     BatchItem,
     Executor,
@@ -26,6 +26,22 @@ EXECUTIONS = Counter("temper_sandbox_calls_total", "Sandbox calls by method and 
 SECONDS = Histogram("temper_sandbox_call_seconds", "Sandbox call latency, queueing included", ["method"],
                     buckets=(0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60, 120))
 MAX_TRACE_BYTES = 900 << 10  # under Kafka's default 1 MiB message limit
+MAX_ORIGIN_ID_CHARS = 256
+MAX_ORIGIN_TRAJECTORIES = 1024
+
+
+def check_origin(origin: sandbox_pb2.ExecutionOrigin, field: str) -> None:
+    """A request's origin (copied onto its trace as is) is refused when an id is oversized."""
+    for name in ("job_id", "group_id", "task_id"):
+        value = getattr(origin, name)
+        require(len(value) <= MAX_ORIGIN_ID_CHARS, f"{field}.{name}",
+                f"{len(value)} characters > {MAX_ORIGIN_ID_CHARS}")
+    ids = origin.trajectory_ids
+    require(len(ids) <= MAX_ORIGIN_TRAJECTORIES, f"{field}.trajectory_ids",
+            f"{len(ids)} ids > {MAX_ORIGIN_TRAJECTORIES}")
+    for i, t in enumerate(ids):
+        require(0 < len(t) <= MAX_ORIGIN_ID_CHARS, f"{field}.trajectory_ids[{i}]",
+                f"must be 1 to {MAX_ORIGIN_ID_CHARS} characters, got {len(t)}")
 
 
 def program_from_proto(req: sandbox_pb2.ExecuteRequest) -> Program:
@@ -104,16 +120,19 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
 
     def RunTests(self, request, context):
         reject_unknown_fields(request, "request")
+        check_origin(request.origin, "origin")
         started, t0 = time.time(), time.monotonic()
         item = batch_item_from_proto(request)
         out = self.executor.run_tests(item.program, item.tests, item.stop_on_first_failure, item.output_match)
         response = tests_to_proto(out)
         self._finish("RunTests", tests_verdict(out), t0, started, out.queue_seconds,
-                     run_tests_request=request, run_tests_response=response)
+                     run_tests_request=request, run_tests_response=response, origin=request.origin)
         return response
 
     def RunTestsBatch(self, request, context):
         reject_unknown_fields(request, "request")
+        for i, program in enumerate(request.programs):
+            check_origin(program.origin, f"programs[{i}].origin")
         started, t0 = time.time(), time.monotonic()
         outs = self.executor.run_batch([batch_item_from_proto(r) for r in request.programs])
         response = sandbox_pb2.RunTestsBatchResponse(results=[tests_to_proto(o) for o in outs],
@@ -122,7 +141,7 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
         self._count("RunTestsBatch", next((v for v in verdicts if v != "OK"), "OK"), t0)
         for req, resp, out, verdict in zip(request.programs, response.results, outs, verdicts):
             self._publish("RunTests", verdict, time.monotonic() - t0, started, out.queue_seconds,
-                          run_tests_request=req, run_tests_response=resp)
+                          run_tests_request=req, run_tests_response=resp, origin=req.origin)
         return response
 
     def _count(self, method: str, verdict: str, t0: float) -> float:
@@ -143,7 +162,10 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
                 execution_id=uuid.uuid4().hex, method=method, started_unix_ms=int(started * 1000),
                 queue_seconds=queued, total_seconds=seconds, verdict=verdict_to_proto(verdict))
             for name, message in call.items():
-                getattr(trace, name).CopyFrom(truncated(message, limit))
+                # the origin is the join key of the trace: never cut (its ids are bounded by check_origin)
+                if name == "origin" and not message.ListFields():
+                    continue
+                getattr(trace, name).CopyFrom(message if name == "origin" else truncated(message, limit))
             if trace.ByteSize() <= MAX_TRACE_BYTES or limit <= 64:
                 break
             limit //= 4

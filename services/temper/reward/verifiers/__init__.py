@@ -67,6 +67,12 @@ class Verifier(ABC):
         """
         return task.reference_answer.strip()
 
+    def prepare_group(self, group: common_pb2.RolloutGroup, field: str) -> Any:
+        """``prepare`` for the group's task (``field`` is the group's path, "group"). A verifier that
+        needs to know whose completions it checks (the code verifier tags its sandbox runs with the
+        job, group, task and trajectory ids) overrides this one."""
+        return self.prepare(group.task, f"{field}.task")
+
     @abstractmethod
     def verify(self, completions: Sequence[str], prepared: Any) -> list[list[Check]]:
         """One list of Checks (one per name in ``components``) for each completion."""

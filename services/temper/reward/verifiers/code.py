@@ -8,6 +8,10 @@ The task's ``reference_answer`` is its test suite, as JSON::
      "output_match": "trailing_whitespace",                   # or "exact"
      "wall_seconds": 2, "memory_mb": 256}                     # optional per-test limits
 
+Each sandbox run carries its ``ExecutionOrigin`` (job, group, task and the trajectories whose
+completion is that program): the sandbox copies it onto the execution trace it publishes, which
+is how ``temper.reward.dataset`` and the monitor join a trace to its task and trajectories.
+
 With ``CodeOptions.batch_size`` N > 0 the distinct programs of a group go to the sandbox in
 RunTestsBatch calls of up to N programs (one gVisor sandbox per call when the sandbox runs in
 execution_mode "batch"); a program the sandbox failed (SANDBOX_ERROR) is retried alone in the
@@ -123,6 +127,17 @@ def parse_suite(text: str, field: str, default_language: str, max_tests: int, wa
                                         memory_mb=int(limits.get("memory_mb", 0))))
 
 
+@dataclass(frozen=True)
+class GroupSuite:
+    """A group's test suite and whose completions are checked: one trajectory id per completion."""
+
+    suite: TestSuite
+    job_id: str = ""
+    group_id: str = ""
+    task_id: str = ""
+    trajectory_ids: tuple[str, ...] = ()
+
+
 def _verdict(v: int) -> str:
     return verdict_name(v)
 
@@ -142,7 +157,13 @@ class CodeVerifier(Verifier):
         return parse_suite(task.reference_answer, f"{field}.reference_answer", o.default_language, o.max_tests,
                            o.wall_seconds)
 
-    def verify(self, completions: Sequence[str], suite: TestSuite) -> list[list[Check]]:
+    def prepare_group(self, group, field):
+        return GroupSuite(self.prepare(group.task, f"{field}.task"), group.job_id, group.group_id,
+                          group.task.task_id, tuple(t.trajectory_id for t in group.trajectories))
+
+    def verify(self, completions: Sequence[str], prepared: TestSuite | GroupSuite) -> list[list[Check]]:
+        group = prepared if isinstance(prepared, GroupSuite) else GroupSuite(prepared)
+        suite = group.suite
         if self._sandbox is None:
             raise SandboxUnavailable("no sandbox configured (set [reward] sandbox_address)")
         fences = LANGUAGE_FENCES.get(suite.language, (suite.language,))
@@ -154,13 +175,21 @@ class CodeVerifier(Verifier):
             programs.append(code)
         # identical programs (common in a GRPO group) run once
         distinct = {hashlib.sha256(p.encode()).hexdigest(): p for p in programs if p is not None and p.strip()}
+        # the origin of each distinct program: the trajectories whose completion it is
+        owners: dict[str, list[str]] = {h: [] for h in distinct}
+        for i, p in enumerate(programs):
+            if p is not None and p.strip() and i < len(group.trajectory_ids) and group.trajectory_ids[i]:
+                owners[hashlib.sha256(p.encode()).hexdigest()].append(group.trajectory_ids[i])
+        origin = {h: sandbox_pb2.ExecutionOrigin(job_id=group.job_id, group_id=group.group_id, task_id=group.task_id,
+                                                 trajectory_ids=ids) for h, ids in owners.items()}
         if self.options.batch_size:
             keys = list(distinct)
             chunks = [keys[i:i + self.options.batch_size] for i in range(0, len(keys), self.options.batch_size)]
-            batches = [self._executor.submit(self._run_batch, [distinct[h] for h in chunk], suite) for chunk in chunks]
+            batches = [self._executor.submit(self._run_batch, [distinct[h] for h in chunk], suite,
+                                             [origin[h] for h in chunk]) for chunk in chunks]
             outcomes = {h: checks for chunk, f in zip(chunks, batches) for h, checks in zip(chunk, f.result())}
         else:
-            futures = {h: self._executor.submit(self._run, p, suite) for h, p in distinct.items()}
+            futures = {h: self._executor.submit(self._run, p, suite, origin[h]) for h, p in distinct.items()}
             outcomes = {h: f.result() for h, f in futures.items()}  # SandboxUnavailable propagates
         checks = []
         for p in programs:
@@ -171,16 +200,17 @@ class CodeVerifier(Verifier):
                 checks.append(outcomes[hashlib.sha256(p.encode()).hexdigest()])
         return checks
 
-    def _run(self, program: str, suite: TestSuite) -> list[Check]:
-        return self._run_batch([program], suite, batched=False)[0]
+    def _run(self, program: str, suite: TestSuite, origin: sandbox_pb2.ExecutionOrigin) -> list[Check]:
+        return self._run_batch([program], suite, [origin], batched=False)[0]
 
-    def _run_batch(self, programs: list[str], suite: TestSuite, batched: bool = True) -> list[list[Check]]:
+    def _run_batch(self, programs: list[str], suite: TestSuite, origins: list[sandbox_pb2.ExecutionOrigin],
+                   batched: bool = True) -> list[list[Check]]:
         """Checks per program: one RunTestsBatch call for all (``batched``) or one RunTests call for
         the single program; what failed for the sandbox's reasons is tried again, alone."""
         requests = [sandbox_pb2.RunTestsRequest(
             program=sandbox_pb2.ExecuteRequest(language=suite.language, limits=suite.limits,
                                                files=[sandbox_pb2.SourceFile(content=p.encode())]),
-            tests=suite.tests, output_match=suite.output_match) for p in programs]
+            tests=suite.tests, output_match=suite.output_match, origin=o) for p, o in zip(programs, origins)]
         out: list[list[Check] | None] = [None] * len(programs)
         attempts = self.options.retries + 1
         backoff = self.options.retry_backoff_seconds
