@@ -15,7 +15,8 @@ from temper.v1 import common_pb2, sandbox_pb2
 OK = common_pb2.REWARD_STATUS_OK
 V = sandbox_pb2
 ASSERTS = ["assert fib(10) == 55", "assert fib(1) == 1"]
-HARNESS_DID_NOT_FINISH = "the test script did not run to its end (the process exited 0 early, or tampered with the test harness)"
+HARNESS_DID_NOT_FINISH = ("the test script did not run to its end (the process exited 0 early, or tampered with the "
+                          "test harness)")
 
 
 def result(verdict, exit_code=0, stdout=b"", stderr=b"", message=""):
@@ -57,7 +58,8 @@ def test_trace_flags_of_each_exploit_and_none_for_honest_runs():
     assert stats.trace_flags(good_trace()) == set()
     # an honest program that fails: an assertion error, a crash (traceback frames name no harness file)
     crash = result(V.VERDICT_RUNTIME_ERROR, exit_code=1,
-                   stderr=b'Traceback (most recent call last):\n  File "<tests>", line 1\n  File "/work/main.py"\nValueError\n')
+                   stderr=b'Traceback (most recent call last):\n  File "<tests>", line 1\n'
+                          b'  File "/work/main.py"\nValueError\n')
     assert stats.trace_flags(trace("def fib(n):\n    raise ValueError", assertion_tests(), [crash] * 2)) == set()
     assert stats.trace_flags(trace("print(sum(map(int, input().split())))", stdin_tests(),
                                    [result(V.VERDICT_OK, stdout=b"3\n"), result(V.VERDICT_OK, stdout=b"10\n")])) == set()

@@ -44,8 +44,8 @@ def verifier_label(reward: common_pb2.Reward) -> float | None:
 
 
 def records_from_group(group: common_pb2.RolloutGroup, max_pairs: int = 4,
-                       test_outcomes: dict[str, dict] | None = None) -> list[dict]:
-    """``test_outcomes``: trajectory id -> ``test_outcomes(trace)`` of its program's execution trace."""
+                       outcomes: dict[str, dict] | None = None) -> list[dict]:
+    """``outcomes``: trajectory id -> ``per_test_outcomes(trace)`` of its program's execution trace."""
     trajs = [t for t in group.trajectories if t.reward.status == common_pb2.REWARD_STATUS_OK]
     prompt = group.task.prompt
     out = []
@@ -54,7 +54,7 @@ def records_from_group(group: common_pb2.RolloutGroup, max_pairs: int = 4,
         if label is not None:
             rec = {"prompt": prompt, "completion": t.completion_text, "label": label, "job_id": group.job_id,
                    "group_id": group.group_id, "task_id": group.task.task_id, "trajectory_id": t.trajectory_id}
-            rec.update((test_outcomes or {}).get(t.trajectory_id, {}))
+            rec.update((outcomes or {}).get(t.trajectory_id, {}))
             out.append(rec)
     if len(trajs) >= 2:
         best = max(t.reward.total for t in trajs)
@@ -68,7 +68,7 @@ def records_from_group(group: common_pb2.RolloutGroup, max_pairs: int = 4,
     return out
 
 
-def test_outcomes(trace: sandbox_pb2.ExecutionTrace) -> dict | None:
+def per_test_outcomes(trace: sandbox_pb2.ExecutionTrace) -> dict | None:
     """The per-test outcome of a RunTests trace: ``{"tests": [...], "test_labels": [...], "execution_id"}``
     (see the module doc); None for an Execute trace or a run the sandbox itself failed."""
     if trace.method != "RunTests" or not trace.HasField("run_tests_request"):
@@ -141,7 +141,7 @@ def export(bootstrap: str, out: str | Path, scored_topic: str = "scored", traces
         for trace in read_topic(bootstrap, traces_topic, sandbox_pb2.ExecutionTrace):
             counts["traces"] += 1
             if trace.origin.trajectory_ids:
-                found = test_outcomes(trace)
+                found = per_test_outcomes(trace)
                 if found is not None:
                     outcomes.update((tid, found) for tid in trace.origin.trajectory_ids)
             else:
