@@ -130,7 +130,7 @@ def test_export_from_the_topics_then_train(broker, base, tmp_path):
     producer.close()
     data = tmp_path / "exported.jsonl"
     counts = export(broker, data)
-    assert counts == {"groups": 4, "traces": 1, "records": 4 * (3 + 2) + 1, "joined": 0, "unjoined": 0}
+    assert counts == {"groups": 4, "traces": 1, "records": 4 * (3 + 2) + 1, "joined": 0, "unjoined": 0, "undecodable": 0}
     summary = train([data], base, tmp_path / "rm", epochs=1, batch_size=8, log=lambda _: None)
     assert summary["examples"] == {"pair": 8, "outcome": 13, "process": 0}
     engine = RewardModelEngine(tmp_path / "rm")

@@ -28,6 +28,15 @@ READS_TESTS = ("import sys\nprint(sys._getframe(1).f_locals.get('test_source'))\
 WRONG = "def fib(n):\n    return n"  # honest and wrong on fib(10)
 
 
+class _Raw:
+    def __init__(self, raw: bytes):
+        self.raw = raw
+
+    @classmethod
+    def FromString(cls, raw: bytes):  # noqa: N802 - read_topic's protobuf-like interface
+        return cls(raw)
+
+
 def code_group(job: str, programs: list[str]) -> common_pb2.RolloutGroup:
     gid = f"{job}/s0/p0"
     return common_pb2.RolloutGroup(
@@ -54,6 +63,12 @@ def test_traces_carry_the_ids_export_joins_them_and_the_exploit_alert_names_the_
     hacked = code_group("hack", [FIB, EXITS, READS_TESTS, FIB])
     clean = code_group("clean", [FIB, FIB_RECURSIVE, WRONG])
     producer = kafka.ProtoProducer(bootstrap, "test")
+    # malformed traces first: dead-lettered by the monitor, which goes on
+    producer.send_raw(kafka.SANDBOX_TRACES, b"junk", b"\xff\xff not a trace", []).get(30)
+    bad = sandbox_pb2.ExecutionTrace(execution_id="bad", method="Nope",
+                                     origin=sandbox_pb2.ExecutionOrigin(job_id="x", group_id="x/s0/p0",
+                                                                        trajectory_ids=["x/s0/p0/0"]))
+    producer.send(kafka.SANDBOX_TRACES, "bad", bad).get(30)
     for g in (hacked, clean):
         producer.send(kafka.ROLLOUTS, g.group_id, g).get(30)
     producer.close()
@@ -65,8 +80,11 @@ def test_traces_carry_the_ids_export_joins_them_and_the_exploit_alert_names_the_
                       "clean/s0/p0/0": 1.0, "clean/s0/p0/1": 1.0, "clean/s0/p0/2": 0.0}
 
     # every run's trace names whose program it was (the identical FIBs of "hack" ran once, for both)
-    traces = wait_until(lambda: (t := list(read_topic(bootstrap, kafka.SANDBOX_TRACES, sandbox_pb2.ExecutionTrace)))
-                        and len(t) == 6 and t, 60, what="six traces")
+    dead = wait_until(lambda: (d := list(read_topic(bootstrap, f"{kafka.SANDBOX_TRACES}.dlq", _Raw))) and
+                      len(d) == 2 and d, 60, what="two dead-lettered traces")
+    assert {d.raw[:4] for d in dead} == {b"\xff\xff n", bad.SerializeToString()[:4]}
+    traces = wait_until(lambda: (t := [x for x in read_topic(bootstrap, kafka.SANDBOX_TRACES, sandbox_pb2.ExecutionTrace)
+                                       if x.execution_id != "bad"]) and len(t) == 6 and t, 60, what="six traces")
     owners = {tuple(t.origin.trajectory_ids): t for t in traces}
     assert set(owners) == {("hack/s0/p0/0", "hack/s0/p0/3"), ("hack/s0/p0/1",), ("hack/s0/p0/2",),
                            ("clean/s0/p0/0",), ("clean/s0/p0/1",), ("clean/s0/p0/2",)}
@@ -78,7 +96,7 @@ def test_traces_carry_the_ids_export_joins_them_and_the_exploit_alert_names_the_
     # the export: prompt, completion and per-test outcome of every code trajectory, joined by the ids
     out = tmp_path / "export.jsonl"
     counts = export(bootstrap, out)
-    assert counts["joined"] == 7 and counts["unjoined"] == 0 and counts["traces"] == 6
+    assert counts["joined"] == 7 and counts["unjoined"] == 0 and counts["traces"] == 7 and counts["undecodable"] == 1
     records = {r["trajectory_id"]: r for r in map(json.loads, out.read_text().splitlines()) if "trajectory_id" in r}
     wrong = records["clean/s0/p0/2"]
     assert wrong["prompt"] == "Write fib(n), the n-th Fibonacci number." and WRONG in wrong["completion"]

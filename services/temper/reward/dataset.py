@@ -29,6 +29,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from google.protobuf.message import DecodeError
+
 from temper.v1 import common_pb2, sandbox_pb2
 
 LEARNED = ("rm", "prm", "length_penalty")
@@ -105,8 +107,10 @@ def records_from_trace(trace: sandbox_pb2.ExecutionTrace) -> list[dict]:
     return [{"prompt": "", "completion": sources[0].decode(errors="replace"), "label": resp.passed / n}]
 
 
-def read_topic(bootstrap: str, topic: str, message_type, idle_seconds: float = 2.0) -> Iterator:
-    """Every message of ``topic`` from its beginning to its high watermark (no consumer group, nothing committed)."""
+def read_topic(bootstrap: str, topic: str, message_type, idle_seconds: float = 2.0,
+               undecodable: list[int] | None = None) -> Iterator:
+    """Every message of ``topic`` from its beginning to its high watermark (no consumer group, nothing
+    committed); one that does not decode is skipped (its offset appended to ``undecodable``)."""
     from kafka import KafkaConsumer, TopicPartition
 
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None,
@@ -124,7 +128,13 @@ def read_topic(bootstrap: str, topic: str, message_type, idle_seconds: float = 2
             for records in batches.values():
                 for record in records:
                     last = time.monotonic()
-                    yield message_type.FromString(record.value)
+                    try:
+                        message = message_type.FromString(record.value)
+                    except DecodeError:
+                        if undecodable is not None:
+                            undecodable.append(record.offset)
+                        continue
+                    yield message
             hw = {tp: consumer.highwater(tp) for tp in tps}
             if all(h is not None and consumer.position(tp) >= h for tp, h in hw.items()):
                 return
@@ -134,11 +144,12 @@ def read_topic(bootstrap: str, topic: str, message_type, idle_seconds: float = 2
 
 def export(bootstrap: str, out: str | Path, scored_topic: str = "scored", traces_topic: str = "sandbox-traces",
            max_pairs: int = 4) -> dict[str, int]:
-    counts = {"groups": 0, "traces": 0, "records": 0, "joined": 0, "unjoined": 0}
+    counts = {"groups": 0, "traces": 0, "records": 0, "joined": 0, "unjoined": 0, "undecodable": 0}
+    undecodable: list[int] = []
     outcomes: dict[str, dict] = {}  # trajectory id -> its program's per-test outcome
     unlinked: list[dict] = []
     if traces_topic:
-        for trace in read_topic(bootstrap, traces_topic, sandbox_pb2.ExecutionTrace):
+        for trace in read_topic(bootstrap, traces_topic, sandbox_pb2.ExecutionTrace, undecodable=undecodable):
             counts["traces"] += 1
             if trace.origin.trajectory_ids:
                 found = per_test_outcomes(trace)
@@ -148,7 +159,7 @@ def export(bootstrap: str, out: str | Path, scored_topic: str = "scored", traces
                 unlinked.extend(records_from_trace(trace))
     used: set[str] = set()
     with open(out, "w") as f:
-        for group in read_topic(bootstrap, scored_topic, common_pb2.RolloutGroup):
+        for group in read_topic(bootstrap, scored_topic, common_pb2.RolloutGroup, undecodable=undecodable):
             counts["groups"] += 1
             for rec in records_from_group(group, max_pairs, outcomes):
                 if "tests" in rec:
@@ -160,6 +171,7 @@ def export(bootstrap: str, out: str | Path, scored_topic: str = "scored", traces
             counts["records"] += 1
     counts["joined"] = len(used)
     counts["unjoined"] = len(set(outcomes) - used)
+    counts["undecodable"] = len(undecodable)
     return counts
 
 
