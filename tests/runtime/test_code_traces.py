@@ -7,9 +7,10 @@ correct programs raises nothing."""
 
 import json
 
+import grpc
 import pytest
 
-from temper.client.sdk import MonitorClient
+from temper.client.sdk import MonitorClient, SandboxClient
 from temper.reward.dataset import export, read_topic
 from temper.runtime import kafka
 from temper.runtime.launcher import Launcher, pid_alive
@@ -117,3 +118,14 @@ def test_traces_carry_the_ids_export_joins_them_and_the_exploit_alert_names_the_
     wait_until(lambda: [p for s in monitor.list_steps("clean") for p in s.steps
                         if p.values.get("code.traced") == 3], 60, what="clean traces tallied")
     assert monitor.list_alerts(job_id="clean") == []
+
+    # an oversized origin is refused over gRPC, the field named, before anything runs
+    sandbox = SandboxClient(services.services["sandbox"].address)
+    request = sandbox_pb2.RunTestsRequest(
+        program=sandbox_pb2.ExecuteRequest(language="python3", files=[sandbox_pb2.SourceFile(content=FIB.encode())]),
+        tests=[sandbox_pb2.TestCase(assertion_script="assert fib(1) == 1")],
+        origin=sandbox_pb2.ExecutionOrigin(job_id="j", trajectory_ids=["ok", "x" * 300]))
+    with pytest.raises(grpc.RpcError) as refused:
+        sandbox.stub.RunTests(request, timeout=30)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "origin.trajectory_ids[1]" in refused.value.details()
