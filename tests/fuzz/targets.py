@@ -40,6 +40,7 @@ CONSUMERS = {
     kafka.ROLLOUTS: ["temper-reward"],
     kafka.SCORED: ["temper-replay", "temper-monitor", "temper-scheduler"],
     kafka.METRICS: ["temper-monitor.metrics"],
+    kafka.SANDBOX_TRACES: ["temper-monitor.traces"],
 }
 
 

@@ -45,7 +45,7 @@ from temper.client.sdk import LearnerClient, SchedulerClient
 from temper.runtime import kafka
 from temper.runtime.launcher import pid_alive
 from temper.runtime.rpc import check_health
-from temper.v1 import common_pb2, scheduler_pb2
+from temper.v1 import common_pb2, sandbox_pb2, scheduler_pb2
 from tests import builders
 from tests.conftest import wait_until
 from tests.fuzz import strategies
@@ -190,6 +190,13 @@ def _good(topic: str, key: str):
         return builders.scored_group(key)
     if topic == kafka.METRICS:
         return common_pb2.StepMetrics(job_id="fuzz", step=1, policy_version=1, mean_reward=0.5, samples=2)
+    if topic == kafka.SANDBOX_TRACES:
+        return sandbox_pb2.ExecutionTrace(
+            execution_id=key, method="RunTests",
+            run_tests_request=sandbox_pb2.RunTestsRequest(
+                tests=[sandbox_pb2.TestCase(stdin=b"1\n", expected_stdout=b"1\n")]),
+            run_tests_response=sandbox_pb2.RunTestsResponse(results=[sandbox_pb2.ExecuteResponse(stdout=b"1\n")]),
+            origin=sandbox_pb2.ExecutionOrigin(job_id="fuzz", group_id=f"{key}/g", trajectory_ids=[f"{key}/g/0"]))
     raise AssertionError(f"no good message for {topic}: add one here")
 
 
