@@ -43,7 +43,7 @@ def run_job(tmp_path, sampling: str) -> dict:
     text = jobs.path("toy").read_text()
     for old, new in (("steps = 150", f"steps = {STEPS}"),
                      ('domains = ["toy.copy", "toy.next"]', 'domains = ["toy.copy", "toy.next", "rg.chain_sum"]'),
-                     ("size = 100", "size = 0"), ("[job.eval]", sampling + "[job.eval]")):
+                     ("size = 100", "size = 0"), ("\n[job.eval]\n", "\n" + sampling + "[job.eval]\n")):  # the table
         assert old in text
         text = text.replace(old, new, 1)
     config = tmp_path / "job.toml"
