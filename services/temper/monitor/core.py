@@ -33,6 +33,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -231,6 +232,21 @@ class Monitor:
         if pending:
             self.flush_pending()
 
+    @contextmanager
+    def _transaction(self):
+        """One write transaction (the caller holds the lock); yields the list the body collects its raised
+        alerts in. On any error: rolled back, those alerts no longer in flight, the in-memory state reloaded."""
+        raised: list[tuple[monitor_pb2.Alert, str]] = []
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield raised
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            self._inflight.difference_update(a.alert_id for a, _ in raised)
+            self._reload_after_rollback()
+            raise
+
     # -- input ---------------------------------------------------------------------------------
     def add_scored(self, group: common_pb2.RolloutGroup) -> list[monitor_pb2.Alert]:
         """Record ``group`` once; close the steps it completes and return the alerts they raised."""
@@ -242,9 +258,7 @@ class Monitor:
         with self._lock:
             if self._db.execute("SELECT 1 FROM groups WHERE group_id = ?", (group.group_id,)).fetchone():
                 return []
-            raised: list[tuple[monitor_pb2.Alert, str]] = []
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
+            with self._transaction() as raised:
                 closed = self._db.execute("SELECT 1 FROM steps WHERE job_id = ? AND source = 'scored' AND step = ? "
                                           "LIMIT 1", (group.job_id, group.step)).fetchone() is not None
                 self._db.execute("INSERT INTO groups VALUES (?, ?, ?, ?, ?, ?)",
@@ -263,12 +277,6 @@ class Monitor:
                         due.append(group.step)
                     for step in due:
                         raised += self._close(group.job_id, step)
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                self._inflight.difference_update(a.alert_id for a, _ in raised)
-                self._reload_after_rollback()
-                raise
         self._dispatch_all(raised)
         return [a for a, _ in raised]
 
@@ -281,14 +289,8 @@ class Monitor:
             if self._db.execute("SELECT 1 FROM steps WHERE job_id = ? AND source = 'metrics' AND step = ?",
                                 (m.job_id, m.step)).fetchone():
                 return []
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                raised = self._append(m.job_id, "metrics", METRICS_DOMAIN, stats.from_metrics(m))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                self._reload_after_rollback()
-                raise
+            with self._transaction() as raised:
+                raised += self._append(m.job_id, "metrics", METRICS_DOMAIN, stats.from_metrics(m))
         self._dispatch_all(raised)
         return [a for a, _ in raised]
 
@@ -308,22 +310,14 @@ class Monitor:
         with self._lock:
             if self._db.execute("SELECT 1 FROM traces WHERE execution_id = ?", (trace.execution_id,)).fetchone():
                 return []
-            raised: list[tuple[monitor_pb2.Alert, str]] = []
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
+            with self._transaction() as raised:
                 self._db.execute("INSERT INTO traces VALUES (?, ?, ?, ?, ?)",
                                  (trace.execution_id, origin.job_id, origin.group_id,
                                   json.dumps(list(origin.trajectory_ids)), json.dumps(flags)))
                 row = self._db.execute("SELECT job_id, domain, step, closed FROM groups WHERE group_id = ?",
                                        (origin.group_id,)).fetchone()
                 if row is not None and row[3]:
-                    raised = self._amend(row[0], row[1], row[2])
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                self._inflight.difference_update(a.alert_id for a, _ in raised)
-                self._reload_after_rollback()
-                raise
+                    raised += self._amend(row[0], row[1], row[2])
         self._dispatch_all(raised)
         return [a for a, _ in raised]
 
