@@ -101,28 +101,21 @@ def test_temper_restart_works_on_a_crashed_service(tmp_path):
         launcher.down()
 
 
-@pytest.mark.e2e
-def test_kill_9_of_reward_mid_job_the_job_finishes_every_step(tmp_path):
-    """A real job on the tiny model; reward is SIGKILLed at step 3. The supervisor restarts it (status shows it);
-    the rollouts it had not committed are redelivered to its successor, so every step still trains on all its
-    groups (with max_policy_lag = 0 a single lost group would stall the job for good).
-
-    The stack runs with [auth] mode = "token" (one job run serves both checks): every service-to-service call
-    of the loop authenticates, the restarted reward included."""
+def _kill_mid_job(tmp_path, service: str, launcher_table: str, steps: int):
+    """`temper run` of the toy job for ``steps`` steps; ``service`` SIGKILLed by PID at step 3. Returns home, the
+    run's summary.json (the run must exit 0)."""
     home, runs = tmp_path / "home", tmp_path / "runs"
-    steps = 12
-    config = _config(tmp_path, 'backoff_seconds = 0.2\n\n[auth]\nmode = "token"',
-                     base=jobs.path("toy").read_text())
+    config = _config(tmp_path, launcher_table, base=jobs.path("toy").read_text())
     with open(tmp_path / "run.out", "w") as out:
         run = subprocess.Popen([*TEMPER, "--home", str(home), "--config", config, "run", "--steps", str(steps),
                                 "--runs", str(runs)], stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
         wait_until(lambda: "step    3" in (tmp_path / "run.out").read_text() or run.poll() is not None, 300,
                    interval=0.2, what="step 3")
-        victim = _status(home)["reward"]
+        victim = _status(home)[service]
         os.kill(victim["pid"], signal.SIGKILL)
-        restarted = wait_until(lambda: (r := _status(home).get("reward", {})).get("restarts") == 1 and r
-                               or run.poll() is not None, 300, interval=0.2, what="reward restarted")
+        restarted = wait_until(lambda: (r := _status(home).get(service, {})).get("restarts") == 1 and r
+                               or run.poll() is not None, 300, interval=0.2, what=f"{service} restarted")
         assert run.wait(600) == 0, (tmp_path / "run.out").read_text()[-3000:]
     finally:
         if run.poll() is None:
@@ -131,7 +124,19 @@ def test_kill_9_of_reward_mid_job_the_job_finishes_every_step(tmp_path):
             Launcher(home=home).down()
     assert restarted is not True, "the job ended before status showed the restart"
     assert restarted["last_exit"] == "killed by SIGKILL" and restarted["pid"] != victim["pid"]
-    summary = json.loads((runs / "latest" / "summary.json").read_text())
+    return home, json.loads((runs / "latest" / "summary.json").read_text())
+
+
+@pytest.mark.e2e
+def test_kill_9_of_reward_mid_job_the_job_finishes_every_step(tmp_path):
+    """A real job on the tiny model; reward is SIGKILLed at step 3. The supervisor restarts it (status shows it);
+    the rollouts it had not committed are redelivered to its successor, so every step still trains on all its
+    groups (with max_policy_lag = 0 a single lost group would stall the job for good).
+
+    The stack runs with [auth] mode = "token" (one job run serves both checks): every service-to-service call
+    of the loop authenticates, the restarted reward included."""
+    steps = 12
+    home, summary = _kill_mid_job(tmp_path, "reward", 'backoff_seconds = 0.2\n\n[auth]\nmode = "token"', steps)
     job = summary["job"]
     assert [s["policy_version"] for s in summary["steps"]] == list(range(1, steps + 1))
     assert all(s["samples"] == job["prompts_per_step"] * job["group_size"] for s in summary["steps"])
@@ -145,29 +150,9 @@ def test_kill_9_of_the_scheduler_mid_job_the_job_resumes_and_trains_every_versio
     scheduler resumes the job from its saved state (jobs.sqlite), the CLI's follow loop waits out the minutes
     the scheduler was unavailable, and the job finishes: every policy version 1..N trained exactly once on a
     whole step's samples, no step generated twice, no evaluation repeated, nothing counted twice."""
-    home, runs = tmp_path / "home", tmp_path / "runs"
     steps = 12
-    config = _config(tmp_path, "backoff_seconds = 0.2", base=jobs.path("toy").read_text())
-    with open(tmp_path / "run.out", "w") as out:
-        run = subprocess.Popen([*TEMPER, "--home", str(home), "--config", config, "run", "--steps", str(steps),
-                                "--runs", str(runs)], stdout=out, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_until(lambda: "step    3" in (tmp_path / "run.out").read_text() or run.poll() is not None, 300,
-                   interval=0.2, what="step 3")
-        victim = _status(home)["scheduler"]
-        os.kill(victim["pid"], signal.SIGKILL)
-        restarted = wait_until(lambda: (r := _status(home).get("scheduler", {})).get("restarts") == 1 and r
-                               or run.poll() is not None, 300, interval=0.2, what="scheduler restarted")
-        assert run.wait(600) == 0, (tmp_path / "run.out").read_text()[-3000:]
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait()
-            Launcher(home=home).down()
-    assert restarted is not True, "the job ended before status showed the restart"
-    assert restarted["last_exit"] == "killed by SIGKILL" and restarted["pid"] != victim["pid"]
+    home, summary = _kill_mid_job(tmp_path, "scheduler", "backoff_seconds = 0.2", steps)
     assert "job resumed from its saved state" in (home / "logs" / "scheduler.log").read_text()
-    summary = json.loads((runs / "latest" / "summary.json").read_text())
     job = summary["job"]
     n = job["prompts_per_step"]
     assert [s["policy_version"] for s in summary["steps"]] == list(range(1, steps + 1))
