@@ -28,7 +28,6 @@ pending after a crash are acted on and published at start-up (``flush_pending``)
 from __future__ import annotations
 
 import json
-import sqlite3
 import threading
 import time
 from collections import defaultdict
@@ -44,6 +43,7 @@ from temper.monitor import detectors as det
 from temper.monitor import stats
 from temper.runtime.errors import InvalidArgument, require
 from temper.runtime.logs import get_logger
+from temper.runtime.sqlite import open_sqlite
 from temper.v1 import common_pb2, monitor_pb2, sandbox_pb2
 
 _log = get_logger(component="monitor")
@@ -172,9 +172,7 @@ class Monitor:
         self._publish = publish
         self._clock = clock
         self._lock = threading.RLock()
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")  # an offset is committed after this returns
+        self._db = open_sqlite(path)  # durable: an offset is committed after a commit returns
         self._db.executescript("""
             CREATE TABLE IF NOT EXISTS groups (group_id TEXT PRIMARY KEY, job_id TEXT, domain TEXT, step INTEGER,
                                                summary TEXT, closed INTEGER);

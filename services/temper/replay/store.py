@@ -37,6 +37,7 @@ from temper.replay.payloads import PayloadLog
 from temper.replay.tables import Draw, Removal, Table, TableConfig, TableStats
 from temper.replay.wire import array_lengths
 from temper.runtime.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, require
+from temper.runtime.sqlite import open_sqlite
 from temper.runtime.storage import Mirror
 from temper.v1 import common_pb2
 
@@ -161,9 +162,7 @@ class ReplayStore:
         self._deferred: dict[int, int] = {}  # seq -> times_sampled not yet written
         self._dirty: set[str] = set()  # tables whose counters are not yet written
         self._last_compaction = time.monotonic()
-        self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute(f"PRAGMA synchronous={'FULL' if fsync else 'NORMAL'}")
+        self._db = open_sqlite(self.path, durable=fsync)
         self._migrate()
         self.tables: dict[str, Table] = {}
         self._load()

@@ -17,12 +17,12 @@ The domain logic (what a checkpoint holds, how a job resumes) is in ``temper.sch
 from __future__ import annotations
 
 import json
-import sqlite3
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from temper.runtime.sqlite import open_sqlite
 from temper.scheduler.core import JobSpec
 from temper.v1 import scheduler_pb2
 
@@ -52,9 +52,7 @@ class JobStore:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")  # an offset is committed (a step counted) after this returns
+        self._db = open_sqlite(self.path)  # durable: an offset is committed (a step counted) after a commit returns
         self._db.executescript(SCHEMA)
 
     def save(self, spec: JobSpec, checkpoint: dict) -> None:
