@@ -60,8 +60,8 @@ def test_a_job_with_curriculum_and_adaptive_weights_reports_what_it_learned_per_
     by = {d["domain"]: d for d in sampling["domains"]}
     assert list(by) == ["toy.copy", "toy.next", "rg.chain_sum"]
     total = STEPS * 16
-    # the scheduler saw (nearly) every scored group: all but what was still on the stream at the end
-    assert (STEPS - 1) * 16 <= sampling["groups_scored"] <= total
+    # the scheduler learned every scored group once (the report waits for its consumer of `scored` to catch up)
+    assert sampling["groups_scored"] == total
     assert sum(d["groups"] for d in by.values()) == sampling["groups_scored"]
     assert sum(d["drawn"] for d in by.values()) == total
     assert all(d["groups"] > 0 and d["trajectories"] == 8 * d["groups"] for d in by.values())

@@ -34,6 +34,7 @@ from temper.v1 import common_pb2, scheduler_pb2
 
 SAMPLES_PER_STEP = 4
 UNAVAILABLE_SECONDS = 180.0  # > the supervisor's default backoffs in a row (1 + 2 + 4 + 8 + 16 s) plus start-ups
+CATCH_UP_SECONDS = 60.0  # how long a finished job's report waits for the scheduler to learn the last scored groups
 
 
 @dataclass
@@ -73,6 +74,7 @@ def follow_job(state: State, spec: JobSpec, timeout: float, echo=print, check=No
     steps: dict[int, common_pb2.StepMetrics] = {}
     samples: dict[int, list[dict]] = {}
     evals_seen = 0
+    scored_ids: set[str] = set()  # the job's groups with an OK reward seen on `scored` (what the scheduler learns)
     unavailable_since: float | None = None
     deadline = time.monotonic() + timeout
     bar = tqdm(total=spec.steps, desc="steps", unit="step", dynamic_ncols=True)
@@ -86,6 +88,9 @@ def follow_job(state: State, spec: JobSpec, timeout: float, echo=print, check=No
                 for r in records:
                     if part == tp_scored:
                         g = common_pb2.RolloutGroup.FromString(r.value)
+                        if g.job_id == job_id and any(t.reward.status == common_pb2.REWARD_STATUS_OK
+                                                      for t in g.trajectories):
+                            scored_ids.add(g.group_id)
                         kept = samples.setdefault(g.step, [])
                         if g.job_id == job_id and len(kept) < SAMPLES_PER_STEP:
                             kept.extend(_sample(g, t) for t in g.trajectories[:SAMPLES_PER_STEP - len(kept)])
@@ -132,6 +137,7 @@ def follow_job(state: State, spec: JobSpec, timeout: float, echo=print, check=No
             if job.state in (scheduler_pb2.JOB_STATE_FAILED, scheduler_pb2.JOB_STATE_STOPPED):
                 raise RuntimeError(f"job {job_id} {scheduler_pb2.JobState.Name(job.state)}: {job.error}")
             if len(steps) >= spec.steps and job.state == scheduler_pb2.JOB_STATE_DONE:
+                status = _catch_up(consumer, tp_scored, scheduler, job, scored_ids)
                 break
     finally:
         bar.close()
@@ -145,6 +151,34 @@ def follow_job(state: State, spec: JobSpec, timeout: float, echo=print, check=No
             echo(f"ALERT {a.detector} [{a.domain}] step {a.step}: {a.message} -> {a.action_result or 'warned'}")
     return Followed([steps[k] for k in sorted(steps)][:spec.steps], status, alerts,
                     {k: v for k, v in sorted(samples.items()) if v})
+
+
+def _catch_up(consumer: KafkaConsumer, tp_scored: TopicPartition, scheduler: SchedulerClient,
+              status: scheduler_pb2.JobStatus, scored_ids: set[str]) -> scheduler_pb2.JobStatus:
+    """The finished job's status once the scheduler has learned every group of the job on `scored` so far.
+
+    The scheduler reads `scored` on its own consumer, which may trail the learner: when the last step is in,
+    the last groups' outcomes may not have reached its sampling state yet. The report waits (at most
+    ``CATCH_UP_SECONDS``) until the scheduler's ``groups_scored`` covers the job's groups up to the stream's
+    end, so its per-domain counts describe the whole job; on timeout it reports what the scheduler has."""
+    job_id = status.job_id
+    end = consumer.end_offsets([tp_scored])[tp_scored]
+    deadline = time.monotonic() + CATCH_UP_SECONDS
+    while time.monotonic() < deadline and (consumer.position(tp_scored) < end
+                                           or status.groups_scored < len(scored_ids)):
+        for records in consumer.poll(timeout_ms=200, max_records=500).values():
+            for r in records:
+                if r.topic != tp_scored.topic:
+                    continue
+                g = common_pb2.RolloutGroup.FromString(r.value)
+                if g.job_id == job_id and any(t.reward.status == common_pb2.REWARD_STATUS_OK for t in g.trajectories):
+                    scored_ids.add(g.group_id)
+        if consumer.position(tp_scored) >= end:
+            status = scheduler.job(job_id)
+    if status.groups_scored < len(scored_ids):
+        tqdm.write(f"the scheduler has learned {status.groups_scored} of the job's {len(scored_ids)} scored groups "
+                   f"after {CATCH_UP_SECONDS:.0f}s; the report shows what it has")
+    return status
 
 
 def end_job(state: State, job_id: str) -> None:
