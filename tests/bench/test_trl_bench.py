@@ -235,8 +235,8 @@ def temper_side(tmp: Path, seed: int, lag: int) -> dict:
                 RewardClient(state.services["reward"].address) as reward:
             inference.timeout = reward.timeout = 1200
 
-            def greedy(prompts, max_tokens):
-                return inference.generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens,
+            def greedy(prompts, max_tokens, n, temperature, seed):
+                return inference.generate(prompts, n=n, temperature=temperature, max_tokens=max_tokens, seed=seed,
                                           apply_chat_template=spec.chat_template,
                                           assistant_prefix=spec.response_prefix)
 

@@ -79,6 +79,11 @@ def test_unknown_job_fields_are_named(job, field):
     ({"eval": {"size": 10, "extra_domains": ["rg.nope"]}}, "eval.extra_domains"),
     ({"eval": {"size": 0, "extra_domains": ["toy.add"]}}, "eval.extra_domains"),
     ({"eval": {"size": 10, "every": -1}}, "eval.every"),
+    ({"eval": {"size": 10, "samples": -1, "temperature": 0.6}}, "eval.samples"),
+    ({"eval": {"size": 10, "samples": 65, "temperature": 0.6}}, "eval.samples"),
+    ({"eval": {"size": 10, "samples": 4}}, "eval.samples"),  # four greedy answers would be one answer four times
+    ({"eval": {"size": 10, "samples": 4, "temperature": -0.5}}, "eval.temperature"),
+    ({"eval": {"size": 10, "samples": 4, "temperature": float("nan")}}, "eval.temperature"),
 ])
 def test_bad_jobs_are_refused_naming_the_field(job, field):
     with pytest.raises(InvalidArgument) as e:
@@ -122,3 +127,32 @@ def test_a_response_prefix_needs_the_chat_template_and_is_scored_with_the_comple
     rewards = [t.reward.total for t in score_group(group).trajectories]
     # right; wrong; right and stopped (EOS closes the prefilled tag); cut off (no answer)
     assert rewards == [1.0, 0.0, 1.0, 0.0]
+
+
+def test_sampled_evaluation_averages_pass_at_1_over_answers_and_reports_spread_and_pass_at_k():
+    """Two toy.copy problems, four answers each at T = 0.7: 3 of 4 right and 0 of 4 right (hand-worked)."""
+    from temper.reward.core import score_group
+    from temper.scheduler.evaluation import evaluate
+    from temper.v1 import inference_pb2
+
+    sets = EvalSets(["toy.copy"], 2, 7, {})
+    refs = {t.prompt: t.reference_answer for t in sets.sets["toy.copy"]}
+    calls = []
+
+    def answer(prompts, max_tokens, n, temperature, seed):
+        calls.append((len(prompts), max_tokens, n, temperature, seed))
+        texts = [[refs[prompts[0]]] * 3 + ["wrong"], ["wrong"] * 4]
+        return inference_pb2.GenerateResponse(policy_version=3, results=[
+            inference_pb2.PromptResult(completions=[
+                inference_pb2.Completion(text=t, token_ids=[1, 2], finish_reason="stop") for t in texts[i]])
+            for i in range(len(prompts))])
+
+    result = evaluate(sets, answer, score_group, 8, "final", samples=4, temperature=0.7, seed=11)
+    assert calls == [(2, 8, 4, 0.7, 11)]  # one call: one policy version answers every problem
+    assert result.accuracy["toy.copy"] == pytest.approx((0.75 + 0.0) / 2)
+    # per-problem accuracies 0.75 and 0: sample stdev 0.5303, over sqrt(2) problems
+    assert result.accuracy_stderr["toy.copy"] == pytest.approx(0.75 / 2 ** 0.5 / 2 ** 0.5)
+    assert result.pass_at_k["toy.copy"] == 0.5 and result.samples == 4 and result.temperature == 0.7
+    assert result.generated_tokens == 2 * 4 * 2 and result.policy_version == 3
+    assert JobSpec.from_dict({"eval": {"size": 5, "samples": 4, "temperature": 0.7}}).eval.answers == 4
+    assert JobSpec.from_dict({"eval": {"size": 5}}).eval.answers == 1  # greedy, one answer, as before

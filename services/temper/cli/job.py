@@ -198,12 +198,18 @@ def eval_summary(evals) -> dict:
     if not evals:
         return {}
     first, last = evals[0], evals[-1]
+    gain = {d: last.accuracy[d] - first.accuracy[d] for d in first.accuracy if d in last.accuracy}
+
+    def point(e) -> dict:
+        return {"policy_version": e.policy_version, "accuracy": dict(e.accuracy),
+                "accuracy_stderr": dict(e.accuracy_stderr), "mean_reward": dict(e.mean_reward)}
+
     return {
-        "before": {"policy_version": first.policy_version, "accuracy": dict(first.accuracy)},
-        "after": {"policy_version": last.policy_version, "accuracy": dict(last.accuracy)},
-        "gain": {d: last.accuracy[d] - first.accuracy[d] for d in first.accuracy if d in last.accuracy},
-        "problems_per_domain": first.problems,
+        "before": point(first), "after": point(last), "gain": gain,
+        "mean_gain": sum(gain.values()) / len(gain) if gain else 0.0,
+        "problems_per_domain": first.problems, "samples": max(1, first.samples), "temperature": first.temperature,
         "evals": [{"phase": e.phase, "policy_version": e.policy_version, "accuracy": dict(e.accuracy),
+                   "accuracy_stderr": dict(e.accuracy_stderr), "pass_at_k": dict(e.pass_at_k),
                    "mean_reward": dict(e.mean_reward), "seconds": e.seconds, "generated_tokens": e.generated_tokens}
                   for e in evals],
     }

@@ -265,6 +265,13 @@ def cmd_eval(args) -> int:
         raise ValueError("--response-prefix needs the chat template")
     max_tokens = args.max_tokens or int(job.get("eval", {}).get("max_tokens", 0) or job.get("max_tokens", 64))
     sets = EvalSets(domains, args.size, args.seed, domain_config)
+    job_eval = job.get("eval", {})
+    samples = int(job_eval.get("samples", 1) if args.samples is None else args.samples)
+    temperature = float(job_eval.get("temperature", 0.0) if args.temperature is None else args.temperature)
+    if samples < 1 or samples > 64:
+        raise ValueError(f"--samples: must be in [1, 64], got {samples}")
+    if temperature < 0 or (temperature == 0 and samples > 1):
+        raise ValueError(f"--temperature: must be >= 0, and > 0 for {samples} samples per problem, got {temperature}")
     if args.engine:
         os.environ["TEMPER_INFERENCE_ENGINE"] = args.engine
     # code domains, and datasets scored by the code verifier, run their tests in the sandbox
@@ -279,21 +286,27 @@ def cmd_eval(args) -> int:
             up_seconds = time.monotonic() - t0
             with InferenceClient(state.services["inference"].address, timeout=3600) as inference, \
                     RewardClient(state.services["reward"].address) as reward:
-                def greedy(prompts, n_tokens):
-                    return inference.generate(prompts, n=1, temperature=0.0, max_tokens=n_tokens,
+                def answer(prompts, n_tokens, n, temperature, seed):
+                    return inference.generate(prompts, n=n, temperature=temperature, max_tokens=n_tokens, seed=seed,
                                               apply_chat_template=chat, assistant_prefix=prefix)
 
-                result = evaluate(sets, greedy, reward.score, max_tokens, "standalone", response_prefix=prefix)
+                result = evaluate(sets, answer, reward.score, max_tokens, "standalone", response_prefix=prefix,
+                                  samples=samples, temperature=temperature, seed=args.seed)
         finally:
             launcher.down()
     out = {"model": str(info.dir), "engine": args.engine or config.get("inference", {}).get("engine", "vllm"),
            "chat_template": chat, "response_prefix": prefix, "size": args.size, "seed": args.seed, "max_tokens": max_tokens,
+           "samples": samples, "temperature": temperature,
            "domain_config": domain_config, "accuracy": dict(result.accuracy), "mean_reward": dict(result.mean_reward),
+           "accuracy_stderr": dict(result.accuracy_stderr), "pass_at_k": dict(result.pass_at_k),
            "seconds": result.seconds, "up_seconds": up_seconds, "generated_tokens": result.generated_tokens,
            "tokens_per_second": result.generated_tokens / result.seconds if result.seconds else 0.0}
     for d in domains:
-        print(f"{d:<32} accuracy {result.accuracy[d]:.3f}  mean reward {result.mean_reward[d]:.3f}")
-    print(f"{args.size} problems per domain (seed {args.seed}), greedy, {max_tokens} tokens max, "
+        print(f"{d:<32} accuracy {result.accuracy[d]:.3f} ± {result.accuracy_stderr[d]:.3f}  "
+              f"mean reward {result.mean_reward[d]:.3f}"
+              + (f"  pass@{samples} {result.pass_at_k[d]:.3f}" if samples > 1 else ""))
+    how = "greedy" if temperature == 0 else f"{samples} samples at T = {temperature:g} (pass@1 averaged)"
+    print(f"{args.size} problems per domain (seed {args.seed}), {how}, {max_tokens} tokens max, "
           f"{out['tokens_per_second']:.0f} tok/s")
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=2))
@@ -515,7 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
     mo.add_argument("--table", default="default", help="the replay table whose size is shown")
     command("resume", cmd_resume, "continue a paused job").add_argument("job_id", metavar="JOB")
     command("doctor", cmd_doctor, "check what this machine needs (runsc, broker, model, memory, ports)")
-    ev = command("eval", cmd_eval, "held-out greedy accuracy of a model folder, through inference and reward")
+    ev = command("eval", cmd_eval, "held-out accuracy of a model folder (greedy, or pass@1 over sampled answers), "
+                 "through inference and reward")
     ev.add_argument("--model", required=True, help="a Hugging Face causal-LM folder")
     ev.add_argument("--domains", nargs="+", default=None, help="domains (default: the job's)")
     ev.add_argument("--job", default=None, help="take domains, domain_config and settings from this shipped job")
@@ -523,6 +537,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--size", type=int, default=50, help="problems per domain")
     ev.add_argument("--seed", type=int, default=1_000_003, help="the eval sets' seed (a job's default)")
     ev.add_argument("--max-tokens", type=int, default=0, help="per answer (default: the job's eval/max tokens)")
+    ev.add_argument("--samples", type=int, default=None, help="answers per problem (default: the job's eval.samples, "
+                    "else 1)")
+    ev.add_argument("--temperature", type=float, default=None, help="of the answers; 0: greedy (default: the job's "
+                    "eval.temperature, else 0)")
     ev.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
                     help="wrap prompts in the model's chat template (default: when it has one)")
     ev.add_argument("--response-prefix", default=None, help='prefilled start of every answer, e.g. "<answer>" '

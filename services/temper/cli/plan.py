@@ -191,8 +191,10 @@ def render_plan(plan: Plan) -> str:
     if ev.size > 0:
         extra = f"; eval-only: {', '.join(ev.extra_domains)}" if ev.extra_domains else ""
         when = f"every {ev.every} policy versions, " if ev.every else ""
+        how = "greedy" if ev.temperature == 0 else f"{ev.answers} samples at T = {ev.temperature:g}"
         lines.append(f"eval      {ev.size} held-out problems per domain ({len(spec.eval_domains)} domains{extra}), "
-                     f"seed {ev.seed}, greedy, {ev.max_tokens or spec.max_tokens} tokens max; before training, "
+                     f"seed {ev.seed}, {how}, "
+                     f"{ev.max_tokens or spec.max_tokens} tokens max; before training, "
                      f"{when}and at the end")
     else:
         lines.append("eval      none (job.eval.size = 0)")

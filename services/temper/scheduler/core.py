@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import math
 import random
 import threading
 import time
@@ -52,6 +53,7 @@ from temper.runtime.errors import FailedPrecondition, InvalidArgument, require
 from temper.runtime.logs import get_logger
 from temper.runtime.tracing import current_context_carrier, tracer
 from temper.scheduler.evaluation import (
+    MAX_EVAL_SAMPLES,
     MAX_EVAL_SIZE,
     EvalConfig,
     EvalSets,
@@ -163,6 +165,11 @@ class JobSpec:
         require(0 <= ev.size <= MAX_EVAL_SIZE, "eval.size", f"must be in [0, {MAX_EVAL_SIZE}], got {ev.size}")
         require(ev.every >= 0, "eval.every", f"must be >= 0, got {ev.every}")
         require(ev.max_tokens >= 0, "eval.max_tokens", f"must be >= 0, got {ev.max_tokens}")
+        require(0 <= ev.samples <= MAX_EVAL_SAMPLES, "eval.samples", f"must be in [0, {MAX_EVAL_SAMPLES}], got {ev.samples}")
+        require(math.isfinite(ev.temperature) and ev.temperature >= 0, "eval.temperature",
+                f"must be >= 0 (0: greedy), got {ev.temperature}")
+        require(ev.temperature > 0 or ev.samples <= 1, "eval.samples",
+                f"{ev.samples} greedy answers per problem would be identical: set eval.temperature > 0")
         require(ev.size > 0 or not ev.extra_domains, "eval.extra_domains", "needs eval.size >= 1")
         require(ev.size == 0 or ev.seed != self.seed, "eval.seed",
                 f"must differ from the job's seed {self.seed} (held-out problems come from a seed of their own)")
@@ -230,7 +237,7 @@ class Job:
 
     ``generate(prompts, spec, seed) -> GenerateResponse`` calls inference; ``publish(group)`` returns once
     the group is durably in the `rollouts` topic; ``policy_version()`` reads the serving version.
-    With evaluation, ``greedy(prompts, max_tokens)`` answers held-out prompts at temperature 0 and
+    With evaluation, ``answer(prompts, max_tokens, n, temperature, seed)`` answers held-out prompts and
     ``score(group)`` scores a group synchronously (the reward service). The held-out sets are built
     (and checked) here, so a bad one refuses the job before any work. ``journal`` keeps the job's state
     durable (module docstring); without one the job lives in memory only.
@@ -238,7 +245,7 @@ class Job:
 
     def __init__(self, spec: JobSpec, generate: Callable[[list[str], JobSpec, int], inference_pb2.GenerateResponse],
                  publish: Callable[[common_pb2.RolloutGroup], None], policy_version: Callable[[], int],
-                 greedy: Callable[[list[str], int], inference_pb2.GenerateResponse] | None = None,
+                 answer: Callable[[list[str], int, int, float, int], inference_pb2.GenerateResponse] | None = None,
                  score: Callable[[common_pb2.RolloutGroup], common_pb2.RolloutGroup] | None = None,
                  final_eval_wait_seconds: float = 3600.0, journal: JobJournal | None = None):
         self.spec = spec
@@ -246,10 +253,10 @@ class Job:
         self._generate = generate
         self._publish = publish
         self._policy_version = policy_version
-        self._greedy = greedy
+        self._answer = answer
         self._score = score
         self.eval_sets = spec.eval_sets()
-        require(self.eval_sets is None or (greedy is not None and score is not None), "eval",
+        require(self.eval_sets is None or (answer is not None and score is not None), "eval",
                 "this scheduler cannot evaluate (no inference/reward clients)")
         require(spec.sampling_config.dynamic_sampling is None or score is not None, "sampling.dynamic_sampling",
                 "this scheduler cannot score groups (no reward service address)")
@@ -423,8 +430,9 @@ class Job:
         spec = self.spec
         with self._tracer.start_as_current_span("scheduler.eval", attributes={"temper.job_id": spec.job_id,
                                                                                "temper.eval.phase": phase}):
-            result = evaluate(self.eval_sets, self._greedy, self._score, spec.eval.max_tokens or spec.max_tokens, phase,
-                              job_id=spec.job_id, response_prefix=spec.response_prefix)
+            result = evaluate(self.eval_sets, self._answer, self._score, spec.eval.max_tokens or spec.max_tokens, phase,
+                              job_id=spec.job_id, response_prefix=spec.response_prefix, samples=spec.eval.samples,
+                              temperature=spec.eval.temperature, seed=spec.eval.seed)
         self.evals.append(result)
         _log.info("eval", job_id=spec.job_id, phase=phase, policy_version=result.policy_version,
                   accuracy={d: round(a, 3) for d, a in result.accuracy.items()}, seconds=round(result.seconds, 2))

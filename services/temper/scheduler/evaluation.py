@@ -10,7 +10,9 @@ No gRPC here: ``evaluate`` takes a generate and a score callable.
 from __future__ import annotations
 
 import hashlib
+import math
 import random
+import statistics
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +23,7 @@ from temper.runtime.errors import InvalidArgument, require
 from temper.v1 import common_pb2, inference_pb2, scheduler_pb2
 
 MAX_EVAL_SIZE = 10_000
+MAX_EVAL_SAMPLES = 64  # answers per held-out problem
 # A domain whose training draws land in the held-out set this often has too few distinct prompts
 # for both: the job is refused rather than left redrawing.
 MAX_OVERLAP = 0.5
@@ -35,15 +38,22 @@ class EvalConfig:
     seed: int = 1_000_003
     extra_domains: list[str] = field(default_factory=list)  # eval-only (out-of-distribution watch)
     max_tokens: int = 0  # 0: the job's
+    samples: int = 1  # answers per problem (accuracy = pass@1 averaged over them)
+    temperature: float = 0.0  # 0: greedy
+
+    @property
+    def answers(self) -> int:
+        return max(1, self.samples)
 
     @classmethod
     def from_proto(cls, p: scheduler_pb2.EvalSpec) -> EvalConfig:
         return cls(size=p.size, every=p.every, seed=p.seed, extra_domains=list(p.extra_domains),
-                   max_tokens=p.max_tokens)
+                   max_tokens=p.max_tokens, samples=p.samples, temperature=p.temperature)
 
     def to_proto(self) -> scheduler_pb2.EvalSpec:
         return scheduler_pb2.EvalSpec(size=self.size, every=self.every, seed=self.seed,
-                                      extra_domains=self.extra_domains, max_tokens=self.max_tokens)
+                                      extra_domains=self.extra_domains, max_tokens=self.max_tokens,
+                                      samples=self.samples, temperature=self.temperature)
 
 
 def prompt_key(prompt: str) -> bytes:
@@ -103,20 +113,25 @@ def draw_training_task(domain: str, rng: random.Random, task_id: str, config: di
     raise InvalidArgument(f"{MAX_REDRAWS} draws of {domain} in a row were held-out prompts", field="eval.size")
 
 
-Generate = Callable[[list[str], int], inference_pb2.GenerateResponse]  # (prompts, max_tokens) -> greedy answers
+# (prompts, max_tokens, n, temperature, seed) -> n answers per prompt (temperature 0: greedy, n = 1)
+Generate = Callable[[list[str], int, int, float, int], inference_pb2.GenerateResponse]
 Score = Callable[[common_pb2.RolloutGroup], common_pb2.RolloutGroup]
 
 
 def evaluate(eval_sets: EvalSets, generate: Generate, score: Score, max_tokens: int, phase: str,
-             job_id: str = "eval", workers: int = 8, response_prefix: str = "") -> scheduler_pb2.EvalResult:
-    """Greedy answers to every held-out problem in one generate call (so one policy version answers
-    all of them), each scored by ``score``; accuracy = fraction with reward >= 1."""
+             job_id: str = "eval", workers: int = 8, response_prefix: str = "", samples: int = 1,
+             temperature: float = 0.0, seed: int = 0) -> scheduler_pb2.EvalResult:
+    """``samples`` answers (greedy at temperature 0) to every held-out problem in one generate call (so one
+    policy version answers all of them), each scored by ``score``. Per domain: accuracy = the fraction of
+    answers with reward >= 1 (pass@1, averaged over a problem's samples, then over problems), its standard
+    error over the problems, pass@k = the fraction of problems with at least one right answer. ``seed``
+    makes sampled answers reproducible (the same seed before and after training: paired samples)."""
     t0 = time.perf_counter()
+    samples = max(1, samples)
     items = [(d, t) for d, ts in eval_sets.sets.items() for t in ts]
-    response = generate([t.prompt for _, t in items], max_tokens)
+    response = generate([t.prompt for _, t in items], max_tokens, samples, temperature, seed)
     groups = []
     for i, ((_, task), result) in enumerate(zip(items, response.results)):
-        c = result.completions[0]
         if response_prefix:
             task = common_pb2.Task()
             task.CopyFrom(items[i][1])
@@ -124,24 +139,29 @@ def evaluate(eval_sets: EvalSets, generate: Generate, score: Score, max_tokens: 
         gid = f"{job_id}/eval-v{response.policy_version}/{phase}/{i}"
         groups.append(common_pb2.RolloutGroup(
             group_id=gid, job_id=job_id, task=task, trajectories=[common_pb2.Trajectory(
-                trajectory_id=f"{gid}/0", group_id=gid, prompt_token_ids=result.prompt_token_ids,
+                trajectory_id=f"{gid}/{j}", group_id=gid, prompt_token_ids=result.prompt_token_ids,
                 completion_token_ids=c.token_ids, completion_logprobs=c.logprobs,
-                policy_version=response.policy_version, completion_text=c.text, finish_reason=c.finish_reason)]))
+                policy_version=response.policy_version, completion_text=c.text, finish_reason=c.finish_reason)
+                for j, c in enumerate(result.completions)]))
     with ThreadPoolExecutor(workers) as pool:
         scored = list(pool.map(score, groups))
-    right: dict[str, list[float]] = {}
+    right: dict[str, list[float]] = {}  # per problem: the fraction of its answers right
     rewards: dict[str, list[float]] = {}
     for (domain, _), g in zip(items, scored):
-        r = g.trajectories[0].reward
-        ok = r.status == common_pb2.REWARD_STATUS_OK
-        right.setdefault(domain, []).append(1.0 if ok and r.total >= 1.0 - 1e-9 else 0.0)
-        rewards.setdefault(domain, []).append(r.total if ok else 0.0)
+        oks = [r.status == common_pb2.REWARD_STATUS_OK for r in (t.reward for t in g.trajectories)]
+        right.setdefault(domain, []).append(
+            sum(1.0 for ok, t in zip(oks, g.trajectories) if ok and t.reward.total >= 1.0 - 1e-9) / max(1, len(oks)))
+        rewards.setdefault(domain, []).append(
+            sum(t.reward.total for ok, t in zip(oks, g.trajectories) if ok) / max(1, len(oks)))
     return scheduler_pb2.EvalResult(
         policy_version=response.policy_version, phase=phase,
-        accuracy={d: sum(v) / len(v) for d, v in right.items()},
-        mean_reward={d: sum(v) / len(v) for d, v in rewards.items()},
+        accuracy={d: statistics.fmean(v) for d, v in right.items()},
+        accuracy_stderr={d: statistics.stdev(v) / math.sqrt(len(v)) if len(v) > 1 else 0.0 for d, v in right.items()},
+        pass_at_k={d: sum(1.0 for x in v if x > 0) / len(v) for d, v in right.items()},
+        mean_reward={d: statistics.fmean(v) for d, v in rewards.items()},
         problems=max((len(v) for v in eval_sets.sets.values()), default=0), seconds=time.perf_counter() - t0,
-        generated_tokens=sum(len(c.token_ids) for r in response.results for c in r.completions))
+        generated_tokens=sum(len(c.token_ids) for r in response.results for c in r.completions),
+        samples=samples, temperature=temperature)
 
 
 def check_scorable(spec_domains: list[str], eval_only: list[str], listing) -> None:

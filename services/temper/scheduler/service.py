@@ -58,8 +58,8 @@ class SchedulerService(Service[SchedulerConfig]):
             return inference.generate(prompts, n=s.group_size, temperature=s.temperature, max_tokens=s.max_tokens,
                                       seed=seed, apply_chat_template=s.chat_template, assistant_prefix=s.response_prefix)
 
-        def greedy(prompts, max_tokens: int):
-            return evaluator.generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens,
+        def answer(prompts, max_tokens: int, n: int, temperature: float, seed: int):
+            return evaluator.generate(prompts, n=n, temperature=temperature, max_tokens=max_tokens, seed=seed,
                                       apply_chat_template=spec.chat_template, assistant_prefix=spec.response_prefix)
 
         def publish(group):
@@ -68,7 +68,7 @@ class SchedulerService(Service[SchedulerConfig]):
         # before any work (once, when the job is accepted): every evaluated domain is scorable
         if spec.eval.size > 0 and reward is not None and not resumed:
             check_scorable(spec.domains, [d for d in spec.eval_domains if d not in spec.domains], reward.list_domains())
-        return Job(spec, generate, publish, inference.policy_version, greedy=greedy if reward else None,
+        return Job(spec, generate, publish, inference.policy_version, answer=answer if reward else None,
                    score=reward.score if reward else None, journal=self.store)
 
     def checks(self):
