@@ -43,3 +43,20 @@ def test_a_signalled_run_stops_its_services(tmp_path, sig):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_run_past_its_job_timeout_reports_what_it_did_and_fails(tmp_path):
+    """The job timeout ends the run with an error, a report of the steps so far (marked incomplete), and every
+    service stopped."""
+    home, runs = tmp_path / "home", tmp_path / "runs"
+    proc = subprocess.run([sys.executable, "-m", "temper.cli.main", "--home", str(home), "run", "--job", "toy",
+                           "--steps", "100000", "--job-timeout", "20", "--runs", str(runs)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "of 100000 steps after 20s" in proc.stderr and "partial report" in proc.stdout
+    summary = json.loads((runs / "latest" / "summary.json").read_text())
+    assert summary["incomplete"].endswith("of 100000 steps after 20s")
+    assert summary["job"]["steps"] == 100000 and summary["job_state"] in ("JOB_STATE_RUNNING", "JOB_STATE_STOPPED")
+    assert [s["step"] for s in summary["steps"]] == sorted(s["step"] for s in summary["steps"])
+    assert (runs / "latest" / "reward_curve.png").stat().st_size > 0
+    assert not (home / "state.json").exists()  # the run took its stack down (down() removes it last)

@@ -37,6 +37,14 @@ UNAVAILABLE_SECONDS = 180.0  # > the supervisor's default backoffs in a row (1 +
 CATCH_UP_SECONDS = 60.0  # how long a finished job's report waits for the scheduler to learn the last scored groups
 
 
+class JobTimedOut(TimeoutError):
+    """The job did not finish within ``temper run``'s job timeout; ``followed`` holds what it did so far."""
+
+    def __init__(self, message: str, followed: Followed):
+        super().__init__(message)
+        self.followed = followed
+
+
 @dataclass
 class Followed:
     steps: list[common_pb2.StepMetrics]
@@ -83,7 +91,9 @@ def follow_job(state: State, spec: JobSpec, timeout: float, echo=print, check=No
             if check is not None:
                 check()
             if time.monotonic() > deadline:
-                raise TimeoutError(f"job {job_id}: {len(steps)} of {spec.steps} steps after {timeout:.0f}s")
+                raise JobTimedOut(f"job {job_id}: {len(steps)} of {spec.steps} steps after {timeout:.0f}s",
+                                  Followed([steps[k] for k in sorted(steps)], status, [],
+                                           {k: v for k, v in sorted(samples.items()) if v}))
             for part, records in consumer.poll(timeout_ms=500).items():
                 for r in records:
                     if part == tp_scored:
@@ -297,7 +307,8 @@ def plot_evals(evals, path: Path) -> None:
         pts = [(e.policy_version, e.accuracy[d]) for e in evals if d in e.accuracy]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=d)
     ax.set_xlabel("policy version")
-    ax.set_ylabel(f"held-out greedy accuracy ({evals[0].problems} problems per domain)")
+    how = "greedy" if evals[0].temperature == 0 else f"pass@1 of {evals[0].samples} samples, T = {evals[0].temperature:g}"
+    ax.set_ylabel(f"held-out accuracy ({how}; {evals[0].problems} problems/domain)")
     ax.set_ylim(-0.02, 1.02)
     ax.legend()
     ax.grid(alpha=0.3)

@@ -170,7 +170,7 @@ def cmd_config_show(args) -> int:
 def cmd_run(args) -> int:
     import uuid
 
-    from temper.cli.job import end_job, follow_job, write_report
+    from temper.cli.job import JobTimedOut, end_job, follow_job, write_report
     from temper.client.sdk import LearnerClient
 
     plan = _plan(args)  # every check of the run, before anything starts (the same for --dry-run)
@@ -192,7 +192,14 @@ def cmd_run(args) -> int:
               flush=True)
         t1 = time.monotonic()
         # a service the supervisor gave up on ([launcher] max_restarts, restart = "never") fails the job
-        followed = follow_job(state, spec, timeout=args.job_timeout, check=launcher.raise_if_failed)
+        try:
+            followed = follow_job(state, spec, timeout=args.job_timeout, check=launcher.raise_if_failed)
+        except JobTimedOut as e:  # what the job did so far is reported, then the run fails
+            write_report(out, spec, config, e.followed.steps, time.monotonic() - t1, e.followed,
+                         extra={"model_dir": str(model.dir), "up_seconds": up_seconds, "incomplete": str(e),
+                                "total_seconds": time.monotonic() - t0})
+            print(f"partial report of the unfinished job: {out}/summary.json", flush=True)
+            raise
         steps = followed.steps
         wall = time.monotonic() - t1
         with LearnerClient(state.services["learner"].address) as learner:
