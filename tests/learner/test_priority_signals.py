@@ -67,9 +67,10 @@ def test_loss_signal_on_policy_is_mean_abs_advantage_and_ignores_sample_weights(
         trainer = Trainer(model_dir, cfg)
         b = _on_policy(trainer, batch)
         b.sample_weights = torch.full((3,), w)
-        trainer.step(b)
+        m = trainer.step(b)
         signals[w] = trainer.group_signals
     s = signals[1.0]
+    assert (m["groups"], m["zero_signal_groups"]) == (3.0, 1.0)
     assert s["loss"]["g0"] == 0.0 and s["mean_abs_advantage"]["g0"] == 0.0  # no signal in a flat group
     for g in ("g1", "g2"):
         assert s["loss"][g] > 0
@@ -99,10 +100,13 @@ def test_importance_weights_per_group_weigh_its_sequences_by_hand(model_dir):
 
 
 def test_replay_draw_values_by_hand():
-    info = [replay_pb2.SampleInfo(importance_weight=w, times_sampled=n) for w, n in ((1.0, 1), (0.25, 2), (0.5, 3))]
-    v = replay_draw_values(info)
-    assert v == {"replay_importance_weight_mean": pytest.approx(1.75 / 3), "replay_importance_weight_min": 0.25,
-                 "replay_times_sampled_mean": 2.0}
+    draws = (("a", 1.0, 1), ("b", 0.25, 2), ("c", 0.5, 3), ("d", 0.5, 1), ("d", 0.5, 2))
+    info = [replay_pb2.SampleInfo(group_id=g, importance_weight=w, times_sampled=n) for g, w, n in draws]
+    v = replay_draw_values(info, no_signal={"c", "d"})
+    # b and c were drawn in an earlier step; d twice in this batch only (fewest times sampled: 1)
+    assert v == {"replay_importance_weight_mean": pytest.approx(2.75 / 5), "replay_importance_weight_min": 0.25,
+                 "replay_times_sampled_mean": pytest.approx(9 / 5), "replay_reused_draws": 2.0,
+                 "replay_reused_no_signal_draws": 1.0}
     assert replay_draw_values(None) == {} and replay_draw_values([]) == {}
 
 
@@ -141,6 +145,7 @@ def test_the_loop_sends_the_configured_signal_and_reports_the_draws(model_dir, s
     assert m.values["replay_importance_weight_mean"] == pytest.approx(1.75 / 3)
     assert m.values["replay_importance_weight_min"] == 0.25
     assert m.values["replay_times_sampled_mean"] == pytest.approx(7 / 3)
+    assert (m.values["replay_reused_draws"], m.values["replay_reused_no_signal_draws"]) == (2.0, 1.0)  # b, c; b flat
 
 
 def test_the_loop_sends_nothing_with_signal_none(model_dir):

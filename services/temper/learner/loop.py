@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,16 +71,25 @@ class LearnerState:
     last: common_pb2.StepMetrics = field(default_factory=common_pb2.StepMetrics)
 
 
-def replay_draw_values(info: list[replay_pb2.SampleInfo] | None) -> dict[str, float]:
-    """StepMetrics values describing replay's draws of the groups a step trained on (before stale
-    drops): mean and min importance weight (1 for FIFO/uniform tables; < 1 where priorities differ)
-    and mean times sampled, this draw included (> 1: experience reuse). Empty without SampleInfo."""
+def replay_draw_values(info: list[replay_pb2.SampleInfo] | None, no_signal: Collection[str] = ()) -> dict[str, float]:
+    """StepMetrics values describing replay's draws of the groups a step trained on: mean and min
+    importance weight (1 for FIFO/uniform tables; < 1 where priorities differ), mean times sampled
+    (this draw included; > 1: experience reuse), ``replay_reused_draws``: draws of groups drawn in an
+    earlier step already (their fewest times sampled in this batch is > 1), and of those
+    ``replay_reused_no_signal_draws``: groups in ``no_signal`` (all advantages 0), which priorities
+    from ``mean_abs_advantage`` keep from being drawn again. Empty without SampleInfo."""
     if not info:
         return {}
     weights = [d.importance_weight for d in info]
+    first: dict[str, int] = {}  # group -> its fewest times sampled among this batch's draws
+    for d in info:
+        first[d.group_id] = min(first.get(d.group_id, d.times_sampled), d.times_sampled)
+    reused = [d.group_id for d in info if first[d.group_id] > 1]
     return {"replay_importance_weight_mean": sum(weights) / len(weights),
             "replay_importance_weight_min": min(weights),
-            "replay_times_sampled_mean": sum(d.times_sampled for d in info) / len(info)}
+            "replay_times_sampled_mean": sum(d.times_sampled for d in info) / len(info),
+            "replay_reused_draws": float(len(reused)),
+            "replay_reused_no_signal_draws": float(sum(1 for g in reused if g in no_signal))}
 
 
 class LearnerLoop:
@@ -164,8 +174,7 @@ class LearnerLoop:
                 require(len(kept) > 0, "groups", f"nothing to train on: {len(groups)} sampled, {len(dropped)} dropped")
                 dropped_at = {d.index for d in dropped}
                 kept_weights = None if weights is None else [w for i, w in enumerate(weights) if i not in dropped_at]
-                draws = replay_draw_values(None if info is None else
-                                           [d for i, d in enumerate(info) if i not in dropped_at])
+                kept_info = None if info is None else [d for i, d in enumerate(info) if i not in dropped_at]
                 batch = batch_from_groups(kept, kept_weights, step_tokens)
                 # stale groups leave here, so the step's metrics (samples, rewards) describe what trained
                 try:
@@ -184,7 +193,11 @@ class LearnerLoop:
             values["dropped_stale"] = float(stale)
             values["dropped_groups"] = float(len(dropped) + stale)
             span.set_attribute("temper.dropped_groups", len(dropped) + stale)
-            values.update(draws)
+            if kept_info:  # the draws of the groups trained on (stale ones left out)
+                trained = set(batch.group_ids or [])
+                signal = self.trainer.group_signals.get("mean_abs_advantage", {})
+                values.update(replay_draw_values([d for d in kept_info if d.group_id in trained],
+                                                 {g for g, v in signal.items() if v == 0}))
             values["priorities_updated"] = float(self._send_priorities())
             version = self.trainer.policy_version
             self._push(version)

@@ -476,6 +476,9 @@ class Trainer:
         # per-group priority signals for prioritized replay (the loop sends the configured one)
         signals = algos.group_priorities(advantages, loss_tokens, token_group, n_groups)
         self.group_signals = {name: dict(zip(batch.group_ids or [], values.tolist())) for name, values in signals.items()}
+        # groups trained on, and those without a learning signal (every advantage 0: all-equal rewards)
+        metrics["groups"] = float(n_groups)
+        metrics["zero_signal_groups"] = float((signals["mean_abs_advantage"] == 0).sum())
         if cfg.lr_kl_target > 0:  # how far this step moved the policy: KL(pi_before || pi_after), k3
             with torch.no_grad():
                 after = torch.cat([self._logprobs(self.model, mb)[0] for mb in mbs])
