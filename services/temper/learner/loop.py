@@ -10,6 +10,9 @@ trainer drops groups staler than max_staleness), counted by reason (state, StepM
 trains on the rest; a batch with nothing left is counted as skipped and the loop samples again.
 Replay is sampled with the learner's policy version as ``current_policy_version``, so a table
 with ``max_policy_lag = L`` never returns a group more than L versions behind the learner.
+Prioritized replay: each group's loss is weighted by its draw's importance weight (SampleInfo),
+and after each step the configured ``priority_signal`` of every trained group is sent back with
+UpdatePriorities (before the next Sample, so a group the step found worthless is not drawn again).
 """
 
 from __future__ import annotations
