@@ -10,7 +10,8 @@ priority, as the learner loop does with ``priority_signal = "mean_abs_advantage"
 - ``prioritized-reuse``: a prioritized table (alpha 0.6, beta 0.4) with samples_per_insert = 2
   under the rate limiter and max_policy_lag = 4: two steps per generated batch;
 - ``prioritized-reuse-e1``: the same with 1 epoch per step instead of 2, so it makes as many
-  gradient passes per generated batch as fifo-once.
+  gradient passes per generated batch as fifo-once (the shipped toy-reuse job's learner);
+- ``prioritized-reuse-e1-loss``: that, with ``priority_signal = "loss"`` (mean |per-token policy loss|).
 
 Both arms generate the same number of batches (so about the same tokens); held-out reward is
 greedy exact-answer accuracy on 96 toy tasks no arm trains on. Run: ``make bench``.
@@ -37,10 +38,11 @@ GROUPS, GROUP_SIZE, ROUNDS, HELD_OUT = 8, 8, 40, 96
 PRIORITIZED = TableConfig(sampler="prioritized", max_times_sampled=0, priority_exponent=0.6,
                           importance_sampling_exponent=0.4, samples_per_insert=2.0, min_size_to_sample=GROUPS,
                           error_buffer=2.0 * GROUPS, max_policy_lag=4, max_size=32 * GROUPS, seed=0)
-ARMS = {  # name: (table, steps per generated batch, trainer epochs per step)
-    "fifo-once": (TableConfig(), 1, 2),  # the toy job's learner (epochs = 2)
-    "prioritized-reuse": (PRIORITIZED, 2, 2),
-    "prioritized-reuse-e1": (PRIORITIZED, 2, 1),  # as many gradient passes per generated batch as fifo-once
+ARMS = {  # name: (table, steps per generated batch, trainer epochs per step, priority signal)
+    "fifo-once": (TableConfig(), 1, 2, "none"),  # the toy job's learner (epochs = 2)
+    "prioritized-reuse": (PRIORITIZED, 2, 2, "mean_abs_advantage"),
+    "prioritized-reuse-e1": (PRIORITIZED, 2, 1, "mean_abs_advantage"),  # as many gradient passes as fifo-once
+    "prioritized-reuse-e1-loss": (PRIORITIZED, 2, 1, "loss"),  # the toy-reuse job with priority_signal = "loss"
 }
 SEEDS = (0, 1, 2)
 
@@ -72,7 +74,7 @@ def held_out(engine: HFEngine, tasks: list) -> float:
 
 
 def run_arm(model_dir, tmp, name: str, seed: int, eval_tasks: list) -> dict:
-    table, steps_per_round, epochs = ARMS[name]
+    table, steps_per_round, epochs, signal = ARMS[name]
     engine = HFEngine(model_dir)
     trainer = Trainer(model_dir, TrainerConfig(lr=1e-3, epochs=epochs))
     store = ReplayStore(tmp / f"{name}-{seed}" / "replay.sqlite", {"t": table}, fsync=False)
@@ -90,8 +92,8 @@ def run_arm(model_dir, tmp, name: str, seed: int, eval_tasks: list) -> dict:
                                           [d.importance_weight for d in result.draws])
                 trainer.step(batch)
                 steps += 1
-                if table.sampler == "prioritized":
-                    store.update_priorities("t", trainer.group_signals["mean_abs_advantage"])
+                if signal != "none":
+                    store.update_priorities("t", trainer.group_signals[signal])
             engine.apply_weights(trainer.weights(), new_version=trainer.policy_version)
         after = held_out(engine, eval_tasks)
         stats = store.stats("t")

@@ -14,6 +14,7 @@ Registries:
   -> (loss, info)``; ``info`` holds token means over the tokens given (floats).
 - ``KL_ESTIMATORS[name](logprobs, ref_logprobs) -> [T]``: per-token estimates of KL(pi || pi_ref) from
   tokens sampled from pi.
+- ``PRIORITY_SIGNALS``: what a group's replay priority can be after a step (``group_priorities``).
 """
 
 from __future__ import annotations
@@ -100,8 +101,13 @@ class Aggregation:
     lengths: torch.Tensor  # [b] tokens per sequence of the tokens given
     num_tokens: int | None = None
     num_seqs: int | None = None
+    # a list: every per-token tensor aggregated is appended to it, detached (the trainer reads a
+    # policy loss's per-token terms from it for the "loss" priority signal)
+    kept: list[torch.Tensor] | None = None
 
     def __call__(self, per_token: torch.Tensor) -> torch.Tensor:
+        if self.kept is not None:
+            self.kept.append(per_token.detach())
         if self.mode == "token_mean":
             return per_token.sum() / (self.num_tokens or per_token.numel())
         sums = segment_sum(per_token, self.lengths)
@@ -110,6 +116,32 @@ class Aggregation:
         elif self.mode != "seq_mean_token_sum":
             raise ValueError(f"unknown aggregation {self.mode!r}; known: {AGGREGATIONS}")
         return sums.sum() / (self.num_seqs or len(self.lengths))
+
+
+# -- priority signals (prioritized replay) ---------------------------------------------------
+
+PRIORITY_SIGNALS = ("mean_abs_advantage", "loss")
+
+
+def group_priorities(advantages: torch.Tensor, policy_loss: torch.Tensor, token_group: torch.Tensor,
+                     n_groups: int) -> dict[str, torch.Tensor]:
+    """[G] per group and signal, from per-token terms [T] (``token_group``: each token's group):
+
+    - ``mean_abs_advantage``: mean of |A_t| over the group's tokens (0 when its rewards are all
+      equal: no learning signal, so a prioritized table stops drawing it);
+    - ``loss``: mean of |l_t| over the group's tokens, ``l_t`` its per-token policy loss without the
+      sample weights (as the step's last epoch computed it: with the ratio of the updated policy, so
+      a clipped token counts |clip(rho) A|).
+
+    Both are >= 0 (replay's priorities must be); a group with no tokens gets 0.
+    """
+    count = torch.bincount(token_group, minlength=n_groups).clamp(min=1).to(advantages.dtype)
+
+    def mean_abs(x: torch.Tensor) -> torch.Tensor:
+        x = x.detach().abs().to(advantages.dtype).cpu()
+        return torch.zeros(n_groups, dtype=advantages.dtype).index_add_(0, token_group.cpu(), x) / count
+
+    return {"mean_abs_advantage": mean_abs(advantages), "loss": mean_abs(policy_loss)}
 
 
 # -- advantage estimators -------------------------------------------------------------------

@@ -29,8 +29,10 @@ class LearnerConfig(ServiceConfig, TrainerConfig):
     resume: bool = Field(True, description="restore the newest checkpoint of checkpoint_dir at start-up")
     # what each sampled group's priority becomes after a step (prioritized tables): "none" sends
     # nothing; "mean_abs_advantage" = mean |advantage| over the group's tokens (0 for a group whose
-    # rewards are all equal: it teaches nothing, so a prioritized table stops drawing it)
-    priority_signal: Literal["none", "mean_abs_advantage"] = Field(
+    # rewards are all equal: it teaches nothing, so a prioritized table stops drawing it); "loss" =
+    # mean |per-token policy loss| of the group in the step's last epoch, sample weights divided out
+    # (temper.learner.algos.group_priorities)
+    priority_signal: Literal["none", "mean_abs_advantage", "loss"] = Field(
         "none", description="per-group priority sent to replay after each step")
     checkpoint_url: str = Field("", description="object storage (s3://bucket/prefix or a path) every checkpoint is "
                                                 "uploaded to; a learner whose checkpoint_dir is empty (a new pod) "

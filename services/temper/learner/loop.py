@@ -10,6 +10,9 @@ trainer drops groups staler than max_staleness), counted by reason (state, StepM
 trains on the rest; a batch with nothing left is counted as skipped and the loop samples again.
 Replay is sampled with the learner's policy version as ``current_policy_version``, so a table
 with ``max_policy_lag = L`` never returns a group more than L versions behind the learner.
+Prioritized replay: each group's loss is weighted by its draw's importance weight (SampleInfo),
+and after each step the configured ``priority_signal`` of every trained group is sent back with
+UpdatePriorities (before the next Sample, so a group the step found worthless is not drawn again).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +37,7 @@ from temper.runtime.errors import InvalidArgument, require
 from temper.runtime.logs import get_logger
 from temper.runtime.storage import Mirror, StorageError
 from temper.runtime.tracing import links_to, tracer
-from temper.v1 import common_pb2
+from temper.v1 import common_pb2, replay_pb2
 
 _log = get_logger(component="learner-loop")
 
@@ -70,6 +74,27 @@ class LearnerState:
     last: common_pb2.StepMetrics = field(default_factory=common_pb2.StepMetrics)
 
 
+def replay_draw_values(info: list[replay_pb2.SampleInfo] | None, no_signal: Collection[str] = ()) -> dict[str, float]:
+    """StepMetrics values describing replay's draws of the groups a step trained on: mean and min
+    importance weight (1 for FIFO/uniform tables; < 1 where priorities differ), mean times sampled
+    (this draw included; > 1: experience reuse), ``replay_reused_draws``: draws of groups drawn in an
+    earlier step already (their fewest times sampled in this batch is > 1), and of those
+    ``replay_reused_no_signal_draws``: groups in ``no_signal`` (all advantages 0), which priorities
+    from ``mean_abs_advantage`` keep from being drawn again. Empty without SampleInfo."""
+    if not info:
+        return {}
+    weights = [d.importance_weight for d in info]
+    first: dict[str, int] = {}  # group -> its fewest times sampled among this batch's draws
+    for d in info:
+        first[d.group_id] = min(first.get(d.group_id, d.times_sampled), d.times_sampled)
+    reused = [d.group_id for d in info if first[d.group_id] > 1]
+    return {"replay_importance_weight_mean": sum(weights) / len(weights),
+            "replay_importance_weight_min": min(weights),
+            "replay_times_sampled_mean": sum(d.times_sampled for d in info) / len(info),
+            "replay_reused_draws": float(len(reused)),
+            "replay_reused_no_signal_draws": float(sum(1 for g in reused if g in no_signal))}
+
+
 class LearnerLoop:
     def __init__(self, trainer: Trainer, replay: ReplayClient, replicas: list[InferenceClient],
                  producer: kafka.ProtoProducer | None, groups_per_step: int, table: str = "default",
@@ -91,7 +116,7 @@ class LearnerLoop:
         self.mirror = mirror  # object storage that every checkpoint is uploaded to (runtime.storage)
         self.state = LearnerState()
         self._lock = threading.Lock()  # one step / checkpoint at a time
-        self._pending: tuple[list[common_pb2.RolloutGroup], list[float]] | None = None
+        self._pending: tuple[list[common_pb2.RolloutGroup], list[replay_pb2.SampleInfo]] | None = None
         self._stop = threading.Event()
         self._resume = threading.Event()
         self._resume.set()
@@ -118,7 +143,7 @@ class LearnerLoop:
                 try:
                     r = self.replay.sample_batch(self.groups_per_step, self.table, self.sample_timeout_ms,
                                                current_policy_version=self.trainer.policy_version)
-                    sampled = list(r.groups), [i.importance_weight for i in r.info]
+                    sampled = list(r.groups), list(r.info)
                 except grpc.RpcError as e:
                     if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                         _log.warning("sample failed", code=e.code().name, details=e.details())
@@ -132,14 +157,16 @@ class LearnerLoop:
 
     # -- one step ------------------------------------------------------------------------------
     def train_on(self, groups: list[common_pb2.RolloutGroup], t0: float | None = None,
-                 weights: list[float] | None = None) -> common_pb2.StepMetrics | None:
+                 info: list[replay_pb2.SampleInfo] | None = None) -> common_pb2.StepMetrics | None:
         """One update on ``groups`` (None if the batch was refused; the refusal is counted)."""
         with self._lock:
-            return self._step(groups, weights, time.perf_counter() if t0 is None else t0)
+            return self._step(groups, info, time.perf_counter() if t0 is None else t0)
 
-    def _step(self, groups: list[common_pb2.RolloutGroup], weights: list[float] | None,
+    def _step(self, groups: list[common_pb2.RolloutGroup], info: list[replay_pb2.SampleInfo] | None,
               t0: float) -> common_pb2.StepMetrics | None:
-        """``weights``: the importance weight of each group's draw (replay's SampleInfo)."""
+        """``info``: replay's SampleInfo of each group's draw (its importance weight becomes the group's
+        loss weight), or None (every weight 1)."""
+        weights = None if info is None else [i.importance_weight for i in info]
         # a step trains on many groups, each from its own scheduler-step trace: link to every one
         with self._tracer.start_as_current_span("learner.step", links=links_to(g.trace_context for g in groups),
                                                  attributes={"temper.groups": len(groups)}) as span:
@@ -150,6 +177,7 @@ class LearnerLoop:
                 require(len(kept) > 0, "groups", f"nothing to train on: {len(groups)} sampled, {len(dropped)} dropped")
                 dropped_at = {d.index for d in dropped}
                 kept_weights = None if weights is None else [w for i, w in enumerate(weights) if i not in dropped_at]
+                kept_info = None if info is None else [d for i, d in enumerate(info) if i not in dropped_at]
                 batch = batch_from_groups(kept, kept_weights, step_tokens)
                 # stale groups leave here, so the step's metrics (samples, rewards) describe what trained
                 try:
@@ -168,7 +196,12 @@ class LearnerLoop:
             values["dropped_stale"] = float(stale)
             values["dropped_groups"] = float(len(dropped) + stale)
             span.set_attribute("temper.dropped_groups", len(dropped) + stale)
-            self._send_priorities()
+            if kept_info:  # the draws of the groups trained on (stale ones left out)
+                trained = set(batch.group_ids or [])
+                signal = self.trainer.group_signals.get("mean_abs_advantage", {})
+                values.update(replay_draw_values([d for d in kept_info if d.group_id in trained],
+                                                 {g for g, v in signal.items() if v == 0}))
+            values["priorities_updated"] = float(self._send_priorities())
             version = self.trainer.policy_version
             self._push(version)
             domain_rewards: dict[str, list[float]] = {}
@@ -198,19 +231,23 @@ class LearnerLoop:
             _log.info("step", step=s.step, mean_reward=round(metrics.mean_reward, 4), loss=round(values["loss"], 4))
             return metrics
 
-    def _send_priorities(self) -> None:
-        """The step's per-group signal as the groups' new priorities (groups sampled out are
-        reported unknown by replay, which is fine); a failure is logged, never fatal to training."""
+    def _send_priorities(self) -> int:
+        """The step's per-group signal as the groups' new priorities; returns how many replay
+        updated (groups sampled out are reported unknown by replay, which is fine). A failure is
+        logged, never fatal to training."""
         if self.priority_signal == "none":
-            return
+            return 0
         priorities = self.trainer.group_signals.get(self.priority_signal, {})
         if not priorities:
-            return
+            return 0
         try:
             r = self.replay.update_priorities(priorities, self.table)
-            PRIORITY_UPDATES.inc(r.updated)
         except grpc.RpcError as e:
             _log.warning("priority update failed", code=e.code().name, details=e.details())
+            return 0
+        PRIORITY_UPDATES.inc(r.updated)
+        return r.updated
+
     @staticmethod
     def _step_drops(dropped: list[DroppedGroup]) -> dict[str, int]:
         counts = dict.fromkeys(DROP_REASONS, 0)

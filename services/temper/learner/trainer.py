@@ -37,6 +37,7 @@ import re
 import resource
 import time
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
@@ -407,11 +408,9 @@ class Trainer:
         advantages = advantages.to(torch.float32)
         seq_group = batch.group_index
         token_group = seq_group.repeat_interleave(lengths)
-        # per-group priority signals for prioritized replay (the loop sends the configured one)
         n_groups = int(seq_group.max()) + 1
-        abs_adv = torch.zeros(n_groups).index_add_(0, token_group, advantages.abs().detach())
-        self.group_signals = {"mean_abs_advantage": dict(zip(
-            batch.group_ids or [], (abs_adv / torch.bincount(token_group, minlength=n_groups)).tolist()))}
+        # the last epoch's per-token policy loss without sample weights: the "loss" priority signal
+        loss_tokens = torch.zeros_like(advantages)
         # importance weights of the groups' draws, per token, multiplied into the policy loss
         sample_weights = batch.sample_weights[token_group].to(dev) if batch.sample_weights is not None else None
         adv_dev, old_all = advantages.to(dev), batch.old_logprobs.to(dev, torch.float32)
@@ -437,9 +436,16 @@ class Trainer:
                 if sample_weights is not None:
                     w = sample_weights[mb.tokens]
                     loss_weights = w if is_weights is None else is_weights * w
+                policy_agg = replace(a, kept=[]) if epoch == cfg.epochs - 1 else a
                 policy_loss, info = POLICY_LOSSES[cfg.policy_loss](
-                    logprobs, ratio_base, adv_dev[mb.tokens], agg=a, clip_low=cfg.clip_low,
+                    logprobs, ratio_base, adv_dev[mb.tokens], agg=policy_agg, clip_low=cfg.clip_low,
                     clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, is_weights=loss_weights)
+                if policy_agg.kept:  # the per-token terms, the sample weights divided out (weight 0: 0)
+                    terms = policy_agg.kept[0]
+                    if sample_weights is not None:
+                        w = sample_weights[mb.tokens]
+                        terms = torch.where(w > 0, terms / w.clamp(min=1e-30), torch.zeros_like(terms))
+                    loss_tokens[mb.tokens] = terms.float().cpu()
                 loss = policy_loss
                 if ref_logprobs is not None:
                     kl_tokens = kl_fn(logprobs, ref_logprobs[mb.tokens])
@@ -467,6 +473,12 @@ class Trainer:
             if self.critic is not None:
                 sums.update(self._critic_step(mbs, old_values, returns_dev, agg))
             metrics = {**sums, "grad_norm": float(grad_norm)}
+        # per-group priority signals for prioritized replay (the loop sends the configured one)
+        signals = algos.group_priorities(advantages, loss_tokens, token_group, n_groups)
+        self.group_signals = {name: dict(zip(batch.group_ids or [], values.tolist())) for name, values in signals.items()}
+        # groups trained on, and those without a learning signal (every advantage 0: all-equal rewards)
+        metrics["groups"] = float(n_groups)
+        metrics["zero_signal_groups"] = float((signals["mean_abs_advantage"] == 0).sum())
         if cfg.lr_kl_target > 0:  # how far this step moved the policy: KL(pi_before || pi_after), k3
             with torch.no_grad():
                 after = torch.cat([self._logprobs(self.model, mb)[0] for mb in mbs])
