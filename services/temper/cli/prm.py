@@ -97,15 +97,8 @@ def services(args, launcher, needs_sandbox: bool) -> Iterator[tuple[str, str, Pa
 
 
 def cmd_prm_label(args) -> int:
-    import grpc
-    from transformers import AutoTokenizer
-
     from temper.cli.main import _launcher
-    from temper.client.sdk import InferenceClient, RewardClient
-    from temper.inference.engine import encode_prompt
-    from temper.reward.dataset import LEARNED, verifier_label
-    from temper.reward.step_labels import LabelOptions, Rollout, Rollouts, Verdict, label
-    from temper.v1 import common_pb2
+    from temper.reward.step_labels import LabelOptions, check_delimiters
 
     launcher = _launcher(args)
     job = launcher.config().get("job", {})
@@ -113,11 +106,18 @@ def cmd_prm_label(args) -> int:
     options = LabelOptions(k=args.k, budget=args.budget, delimiter=delimiter_option(args.delimiter, launcher.config_path),
                            threshold=args.threshold, label_kind=args.label, min_steps=args.min_steps,
                            max_steps=args.max_steps)
-    # every refusal (a budget of 0, a delimiter that never occurs, ...) before any service starts
-    from temper.reward.step_labels import check_delimiters
-
+    # every refusal (a budget of 0, a delimiter that never occurs, ...) before anything heavy loads or starts
     options.check()
     check_delimiters(trajectories, options)
+    import grpc
+    from transformers import AutoTokenizer
+
+    from temper.client.sdk import InferenceClient, RewardClient
+    from temper.inference.engine import encode_prompt
+    from temper.reward.dataset import LEARNED, verifier_label
+    from temper.reward.step_labels import Rollout, Rollouts, Verdict, label
+    from temper.v1 import common_pb2
+
     chat = bool(job.get("chat_template", False)) if args.chat_template is None else args.chat_template
     max_tokens = args.max_tokens or int(job.get("max_tokens", 64))
     temperature = float(job.get("temperature", 1.0)) if args.temperature is None else args.temperature

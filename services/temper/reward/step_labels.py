@@ -5,7 +5,8 @@ the completion) is split into steps at the step delimiter (``temper.reward.steps
 the split the reward service's PRM uses). For each step i but the last, ``k`` completions are
 rolled out from the prefix ``steps[0] + ... + steps[i] + delimiter`` (the start of step i + 1) and
 scored by the domain's verifier (a response prefix that is a step of its own is labelled by fresh
-samples; one holding the delimiter within it leaves the trajectory unlabelled); with c_i of them correct (verifier label >= ``threshold``)
+samples; one holding the delimiter within it leaves the trajectory unlabelled); with c_i of them
+correct (verifier label >= ``threshold``)
 
     soft_i = c_i / k          hard_i = 1 if c_i > 0 else 0
 
