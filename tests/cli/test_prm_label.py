@@ -81,7 +81,7 @@ def test_labels_through_the_real_services(tmp_path):
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 3
     for rec in records:
-        assert rec["steps"][0] in ("0 1 2 3 4 5 6 7 8 9".split()) and rec["steps"][1:] == [" 7", " 2"]
+        assert rec["steps"][0] in (["0", "1", "2", "3", "4", "5", "6", "7", "8", "9"]) and rec["steps"][1:] == [" 7", " 2"]
         expected = [1.0, 1.0, 1.0] if kinds[rec["trajectory_id"]] == "right" else [0.0, 0.0, 0.0]
         assert rec["soft_labels"] == rec["step_labels"] == rec["hard_labels"] == expected
         prov = rec["provenance"]
