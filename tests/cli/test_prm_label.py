@@ -108,3 +108,25 @@ def test_bad_options_are_refused_before_anything_starts(tmp_path, capsys):
         err = capsys.readouterr().err
         assert rc == 1 and field in err, (field, err)
         assert not (tmp_path / "o").exists() and not (tmp_path / "home" / "state.json").exists()
+
+
+@pytest.mark.slow  # runs the `temper` command: a broker, inference and reward, then trains a PRM
+def test_grow_labels_trains_and_evaluates_a_prm(tmp_path):
+    config = tmp_path / "job.toml"
+    config.write_text(CONFIG)
+    export, out = tmp_path / "export.jsonl", tmp_path / "grown"
+    write_export(export, 8)
+    r = _temper(tmp_path / "home", "--config", str(config), "prm", "grow", "--from", str(export), "--out", str(out),
+                "--k", "2", "--budget", "32", "--heldout", "0.25", "--epochs", "2")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    result = json.loads((out / "grow.json").read_text())
+    assert result["label"]["labelled"] == 8 and result["label"]["rollouts"] == 32
+    held = [json.loads(line) for line in (out / "heldout.jsonl").read_text().splitlines()]
+    train = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    assert len(held) == 2 and len(train) == 6 and not {r["task_id"] for r in held} & {r["task_id"] for r in train}
+    ev = result["eval"]
+    assert ev["heldout_steps"] == 6 and 0.0 <= ev["step_accuracy"] <= 1.0
+    assert ev["step_auc"] is None or 0.0 <= ev["step_auc"] <= 1.0
+    assert len(result["train"]["loss_per_epoch"]) == 2
+    assert (out / "prm" / "config.json").exists() and (out / "policy" / "config.json").exists()  # a PRM the service loads
+    assert "no RPC" in result["register"]

@@ -8,7 +8,17 @@ import json
 import pytest
 
 from temper.reward.dataset import records_from_group
-from temper.reward.step_labels import LabelOptions, Rollout, Rollouts, Sampled, Verdict, label
+from temper.reward.step_labels import (
+    LabelOptions,
+    Rollout,
+    Rollouts,
+    Sampled,
+    Verdict,
+    label,
+    split_heldout,
+    step_accuracy,
+    step_auc,
+)
 from temper.reward.train import load_records
 from temper.runtime.errors import InvalidArgument
 from temper.v1 import common_pb2
@@ -155,3 +165,20 @@ def test_export_records_carry_what_labelling_needs():
     back = Sampled.from_record(json.loads(json.dumps(rec)))
     assert back.task == task and back.completion == "4 7" and back.finish_reason == "length"
     assert (back.policy_version, back.job_id, back.trajectory_id) == (5, "j", "g/0")
+
+
+def test_step_auc_and_accuracy_by_hand():
+    # positives score 0.9, 0.4; negatives 0.4, 0.1: pairs (0.9>0.4) (0.9>0.1) (0.4=0.4: half) (0.4>0.1) -> 3.5 / 4
+    scores, labels = [0.9, 0.4, 0.4, 0.1], [1.0, 1.0, 0.0, 0.0]
+    assert step_auc(scores, labels) == 0.875
+    assert step_accuracy(scores, labels) == 0.75  # 0.4 of a positive step is below 0.5
+    assert step_auc([0.2, 0.3], [1.0, 1.0]) is None and step_accuracy([], []) is None
+
+
+def test_heldout_split_keeps_tasks_whole():
+    recs = [{"task_id": f"t{i // 2}", "trajectory_id": f"t{i // 2}/{i % 2}"} for i in range(8)]  # 4 tasks x 2
+    train, held = split_heldout(recs, 0.25, seed=1)
+    assert len(held) == 2 and len(train) == 6
+    assert not {r["task_id"] for r in train} & {r["task_id"] for r in held}
+    train, held = split_heldout(recs[:2], 0.5)  # one task: nothing can be held out
+    assert held == [] and len(train) == 2

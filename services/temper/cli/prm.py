@@ -23,6 +23,7 @@ from pathlib import Path
 
 MAX_SEQUENCES_PER_CALL = 512  # rollouts per Generate call (well under the service's max_sequences_per_request)
 MAX_GROUP = 256  # completions per Score call (under the reward service's max_group_size)
+TEMPORARY = "services started for this command"
 
 
 def read_export(path: Path, max_trajectories: int = 0) -> list:
@@ -91,12 +92,14 @@ def services(args, launcher, needs_sandbox: bool) -> Iterator[tuple[str, str, Pa
         state = temp.up(["inference", "reward"] + (["sandbox"] if needs_sandbox else []), timeout=args.timeout)
         try:
             yield (state.services["inference"].address, state.services["reward"].address,
-                   temp._model_dir(temp.config()), "services started for this command")
+                   temp._model_dir(temp.config()), TEMPORARY)
         finally:
             temp.down()
 
 
-def cmd_prm_label(args) -> int:
+def _label(args, out: Path, keep_policy: Path | None = None) -> tuple[dict, list[dict]]:
+    """Labels ``--from`` into ``out`` (JSON lines); the run's summary and its records. ``keep_policy``: where
+    to copy the policy folder when it lives in this command's own stack (gone once the stack stops)."""
     from temper.cli.main import _launcher
     from temper.reward.step_labels import LabelOptions, check_delimiters
 
@@ -123,7 +126,6 @@ def cmd_prm_label(args) -> int:
     temperature = float(job.get("temperature", 1.0)) if args.temperature is None else args.temperature
     code = any(s.task.domain.startswith("code.") or s.task.metadata.get("verifier", "").startswith("code.")
                for s in trajectories)
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with services(args, launcher, code) as (inference_address, reward_address, model_dir, where), \
             InferenceClient(inference_address, timeout=3600) as inference, RewardClient(reward_address) as reward:
@@ -164,27 +166,94 @@ def cmd_prm_label(args) -> int:
 
         run = label(trajectories, generate, score, options, seed=args.seed,
                     log=(lambda line: print(line, flush=True)) if args.verbose else None)
+        if keep_policy is not None and where == TEMPORARY and not args.model:
+            import shutil
+
+            model_dir = Path(shutil.copytree(model_dir, keep_policy))
     with open(out, "w") as f:
         for rec in run.records:
             f.write(json.dumps(rec) + "\n")
     summary = {**run.summary(options.budget), "out": str(out), "from": str(args.from_), "k": options.k,
                "label": options.label_kind, "model": str(model_dir), "via": where, "trajectories": len(trajectories)}
+    return summary, run.records
+
+
+def cmd_prm_label(args) -> int:
+    summary, records = _label(args, Path(args.out))
     print(json.dumps(summary))
-    return 0 if run.records else 2
+    return 0 if records else 2
+
+
+def cmd_prm_grow(args) -> int:
+    """label -> split by task -> train (temper.reward.train) -> step accuracy / AUC on the held-out tasks."""
+    from temper.runtime.errors import require
+
+    require(0 < args.heldout < 1, "--heldout", f"a fraction in (0, 1), got {args.heldout}")
+    require(args.epochs >= 1, "--epochs", f"must be >= 1, got {args.epochs}")
+    out = Path(args.out)
+    require(not out.exists() or not any(out.iterdir()), "--out", f"{out} is not empty")
+    if args.base:
+        from temper.models import check_model_dir
+
+        check_model_dir(Path(args.base), field="--base")
+    summary, records = _label(args, out / "labels.jsonl", keep_policy=out / "policy")
+    if len({r["task_id"] for r in records}) < 2:
+        raise ValueError(f"labelled {len(records)} trajectories of fewer than 2 tasks: nothing to hold out "
+                         "(raise --budget, or give more trajectories)")
+
+    from temper.reward.models import RewardModelEngine
+    from temper.reward.step_labels import split_heldout, step_accuracy, step_auc
+    from temper.reward.train import train
+
+    train_set, heldout = split_heldout(records, args.heldout, args.seed)
+    for name, rows in (("train", train_set), ("heldout", heldout)):
+        (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trained = train([out / "train.jsonl"], args.base or summary["model"], out / "prm", epochs=args.epochs, lr=args.lr,
+                    seed=args.seed, log=lambda line: print(line, flush=True))
+    engine = RewardModelEngine(out / "prm")
+    try:
+        scores = [s for r in heldout for s in engine.score_steps(r["prompt"], r["steps"])]
+    finally:
+        engine.close()
+    labels = [y for r in heldout for y in r["hard_labels"]]
+    evaluation = {"heldout_trajectories": len(heldout), "heldout_steps": len(labels),
+                  "step_accuracy": step_accuracy(scores, labels), "step_auc": step_auc(scores, labels),
+                  "positive_fraction": sum(y > 0.5 for y in labels) / len(labels) if labels else None}
+    result = {"label": summary, "train": {"trajectories": len(train_set), "loss_per_epoch": trained["loss_per_epoch"]},
+              "eval": evaluation, "prm": str((out / "prm").resolve()),
+              # the reward service loads its PRM at start only: RewardService has no Register/Reload RPC
+              "register": "no RPC: set [reward.prm] dir to this folder (and weigh prm in a domain), then "
+                          "`temper restart reward`"}
+    (out / "grow.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result))
+    return 0
 
 
 def add_commands(sub, command, common) -> None:
     """``temper prm ...`` under the top-level parser's subcommands (``command`` makes one; ``common``: the
     global options' parent parser)."""
-    import argparse
 
     prm = sub.add_parser("prm", help="process reward models: step labels from a job's rollouts", parents=[common])
     prmsub = prm.add_subparsers(dest="prm_command", required=True)
     la = command("label", cmd_prm_label, "Math-Shepherd step labels: roll out k completions from each step prefix "
                  "of exported trajectories, label each step by the fraction (soft) / existence (hard) correct",
                  into=prmsub)
-    la.add_argument("--from", dest="from_", required=True, help="a dataset export (python -m temper.reward.dataset)")
     la.add_argument("--out", required=True, help="JSON-lines process records for python -m temper.reward.train")
+    _label_options(la)
+    gr = command("grow", cmd_prm_grow, "label, train a PRM on the labels (temper.reward.train), report its step "
+                 "accuracy / AUC on held-out tasks", into=prmsub)
+    gr.add_argument("--out", required=True, help="a new folder: labels, train/heldout split, prm/, grow.json")
+    gr.add_argument("--base", default="", help="model folder the PRM starts from (default: the policy)")
+    gr.add_argument("--heldout", type=float, default=0.25, help="fraction of the labelled tasks held out")
+    gr.add_argument("--epochs", type=int, default=3)
+    gr.add_argument("--lr", type=float, default=1e-3)
+    _label_options(gr)
+
+
+def _label_options(la) -> None:
+    import argparse
+
+    la.add_argument("--from", dest="from_", required=True, help="a dataset export (python -m temper.reward.dataset)")
     la.add_argument("--k", type=int, default=4, help="rollouts per step prefix")
     la.add_argument("--budget", type=int, default=256, help="most rollouts of this run (a trajectory of S steps "
                     "costs k x (S - 1))")

@@ -199,3 +199,32 @@ def label(trajectories: Sequence[Sampled], generate: Generate, score: Score, opt
             log(f"{sampled.trajectory_id or sampled.task.task_id}: {len(steps)} steps, soft {soft}")
     run.seconds = time.monotonic() - t0
     return run
+
+
+def split_heldout(records: Sequence[dict], fraction: float, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """(train, held out): whole tasks held out (a task's trajectories share their early steps, so a split by
+    trajectory would test on steps seen in training); at least one task on each side when there are two."""
+    tasks = sorted({r.get("task_id") or r.get("trajectory_id", "") for r in records})
+    random.Random(seed).shuffle(tasks)
+    n = min(len(tasks) - 1, max(1, round(fraction * len(tasks)))) if len(tasks) > 1 else 0
+    held = set(tasks[:n])
+    key = [r.get("task_id") or r.get("trajectory_id", "") for r in records]
+    return ([r for r, k in zip(records, key) if k not in held], [r for r, k in zip(records, key) if k in held])
+
+
+def step_auc(scores: Sequence[float], labels: Sequence[float]) -> float | None:
+    """ROC AUC of step scores against hard step labels (label > 0.5 positive): the probability that a
+    positive step scores above a negative one, ties counting half; None without both kinds."""
+    pos = [s for s, y in zip(scores, labels) if y > 0.5]
+    neg = [s for s, y in zip(scores, labels) if y <= 0.5]
+    if not pos or not neg:
+        return None
+    wins = sum((p > q) + 0.5 * (p == q) for p in pos for q in neg)
+    return wins / (len(pos) * len(neg))
+
+
+def step_accuracy(scores: Sequence[float], labels: Sequence[float], threshold: float = 0.5) -> float | None:
+    """Fraction of steps whose score is on the same side of ``threshold`` as their label."""
+    if not scores:
+        return None
+    return sum((s > threshold) == (y > threshold) for s, y in zip(scores, labels)) / len(scores)
