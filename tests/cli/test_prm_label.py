@@ -130,3 +130,22 @@ def test_grow_labels_trains_and_evaluates_a_prm(tmp_path):
     assert len(result["train"]["loss_per_epoch"]) == 2
     assert (out / "prm" / "config.json").exists() and (out / "policy" / "config.json").exists()  # a PRM the service loads
     assert "no RPC" in result["register"]
+
+
+def test_grow_refuses_bad_options_before_anything_starts(tmp_path, capsys):
+    config = tmp_path / "job.toml"
+    config.write_text(CONFIG)
+    export = tmp_path / "export.jsonl"
+    write_export(export, 2)
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "x").write_text("")
+    for args, field in [(["--base", str(tmp_path / "no-model")], "--base"),  # a PRM base that does not load
+                        (["--heldout", "1.5"], "--heldout"), (["--epochs", "0"], "--epochs"),
+                        (["--budget", "0"], "--budget"), (["--out", str(full)], "--out")]:
+        out = [] if args[0] == "--out" else ["--out", str(tmp_path / "grown")]
+        rc = main(["--home", str(tmp_path / "home"), "--config", str(config), "prm", "grow", "--from", str(export),
+                   *out, *args])
+        err = capsys.readouterr().err
+        assert rc == 1 and field in err, (field, err)
+        assert not (tmp_path / "grown").exists() and not (tmp_path / "home" / "state.json").exists()
