@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import itertools
 import json
 import tempfile
 from collections.abc import Iterator
@@ -131,6 +132,8 @@ def _label(args, out: Path, keep_policy: Path | None = None) -> tuple[dict, list
             InferenceClient(inference_address, timeout=3600) as inference, RewardClient(reward_address) as reward:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
+        calls = itertools.count()  # each Generate call its own seed: the same prefix in two trajectories gets fresh samples
+
         def generate(task: common_pb2.Task, prefixes: list[str], k: int) -> Rollouts:
             base = encode_prompt(tokenizer, task.prompt, chat, "prompt", task.metadata.get("response_prefix", ""))
             prompts = [base + list(tokenizer(p, add_special_tokens=False).input_ids) for p in prefixes]
@@ -138,7 +141,7 @@ def _label(args, out: Path, keep_policy: Path | None = None) -> tuple[dict, list
             step = max(1, MAX_SEQUENCES_PER_CALL // k)
             for i in range(0, len(prompts), step):
                 resp = inference.generate(prompts[i: i + step], n=k, temperature=temperature, max_tokens=max_tokens,
-                                          seed=args.seed + i)
+                                          seed=args.seed * 1_000_003 + next(calls))
                 version = resp.policy_version
                 per_prefix += [[Rollout(c.text, c.finish_reason, tuple(c.token_ids)) for c in r.completions]
                                for r in resp.results]
