@@ -13,6 +13,8 @@
   temper sandbox languages  the languages the sandbox runs, with their aliases (python, py, c++, sh, ...)
   temper sandbox exec FILE  run FILE in the gVisor sandbox service; prints the verdict as JSON ("status")
   temper sandbox test PROGRAM TESTFILE   run PROGRAM against the tests in TESTFILE
+  temper prm label --from EXPORT --out LABELS --k 4 --budget N   Math-Shepherd step labels of exported
+                            trajectories (rollouts from each step prefix, scored by the domain's verifier)
 """
 
 from __future__ import annotations
@@ -574,6 +576,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "default: from the file name")
         p.add_argument("--timeout", type=float, default=0.0, help="wall-clock seconds (default: the service's)")
         p.add_argument("--memory-mb", type=int, default=0, help="memory limit (default: the service's)")
+    from temper.cli.prm import add_commands as add_prm_commands
+
+    add_prm_commands(sub, command, common)
     return parser
 
 

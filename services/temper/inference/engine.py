@@ -39,6 +39,22 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from temper.runtime.errors import FailedPrecondition, InvalidArgument, TemperError, require
 
 
+def encode_prompt(tokenizer, text: str, apply_chat_template: bool = False, field_name: str = "prompt",
+                  assistant_prefix: str = "") -> list[int]:
+    """The token ids of a text prompt (``Prompt.text``), as every engine reads it; also for callers that
+    extend a prompt with token ids of their own (the step labeller continues a completion's prefix)."""
+    if assistant_prefix and not apply_chat_template:
+        raise InvalidArgument("needs apply_chat_template", field=f"{field_name}.assistant_prefix")
+    if apply_chat_template:
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidArgument("this model's tokenizer has no chat template",
+                                  field=f"{field_name}.apply_chat_template")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                             add_generation_prompt=True, tokenize=False)
+        return list(tokenizer(text + assistant_prefix, add_special_tokens=False).input_ids)
+    return list(tokenizer(text, add_special_tokens=True).input_ids)
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -118,16 +134,7 @@ class Engine(ABC):
     # -- prompts ---------------------------------------------------------------------------
     def encode(self, text: str, apply_chat_template: bool = False, field_name: str = "prompt",
                assistant_prefix: str = "") -> list[int]:
-        if assistant_prefix and not apply_chat_template:
-            raise InvalidArgument("needs apply_chat_template", field=f"{field_name}.assistant_prefix")
-        if apply_chat_template:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise InvalidArgument("this model's tokenizer has no chat template",
-                                      field=f"{field_name}.apply_chat_template")
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                      add_generation_prompt=True, tokenize=False)
-            return list(self.tokenizer(text + assistant_prefix, add_special_tokens=False).input_ids)
-        return list(self.tokenizer(text, add_special_tokens=True).input_ids)
+        return encode_prompt(self.tokenizer, text, apply_chat_template, field_name, assistant_prefix)
 
     def validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
         require(len(prompts) > 0, "prompts", "at least one prompt is required")

@@ -6,7 +6,9 @@ beginning and writes JSON-lines records for ``temper.reward.train``.
   with its lowest, same prompt; at most ``max_pairs`` per group) and one outcome record per
   trajectory whose label is its verifier score: the weighted mean of its rule-based components
   (everything but rm, prm and length_penalty) with weight > 0, in [0, 1].
-  Every outcome record names its ``job_id``, ``group_id``, ``task_id`` and ``trajectory_id``.
+  Every outcome record names its ``job_id``, ``group_id``, ``task_id`` and ``trajectory_id``, the
+  ``policy_version`` that sampled it, its ``finish_reason``, and its ``task`` (domain, reference answer,
+  metadata: what the verifier needs to score the prompt again, as ``temper prm label`` does).
 * Code trajectories: the sandbox's RunTests trace of a trajectory's program carries the
   trajectory's ids (``ExecutionTrace.origin``, set by the reward service), and the trajectory's
   outcome record is joined with it: ``tests`` (per test, in the suite's order: index, verdict,
@@ -50,12 +52,14 @@ def records_from_group(group: common_pb2.RolloutGroup, max_pairs: int = 4,
     """``outcomes``: trajectory id -> ``per_test_outcomes(trace)`` of its program's execution trace."""
     trajs = [t for t in group.trajectories if t.reward.status == common_pb2.REWARD_STATUS_OK]
     prompt = group.task.prompt
+    task = task_record(group.task)
     out = []
     for t in trajs:
         label = verifier_label(t.reward)
         if label is not None:
             rec = {"prompt": prompt, "completion": t.completion_text, "label": label, "job_id": group.job_id,
-                   "group_id": group.group_id, "task_id": group.task.task_id, "trajectory_id": t.trajectory_id}
+                   "group_id": group.group_id, "task_id": group.task.task_id, "trajectory_id": t.trajectory_id,
+                   "policy_version": t.policy_version, "finish_reason": t.finish_reason, "task": task}
             rec.update((outcomes or {}).get(t.trajectory_id, {}))
             out.append(rec)
     if len(trajs) >= 2:
@@ -68,6 +72,18 @@ def records_from_group(group: common_pb2.RolloutGroup, max_pairs: int = 4,
                 out.append({"prompt": prompt, "chosen": chosen[k % len(chosen)].completion_text,
                             "rejected": rejected[k % len(rejected)].completion_text})
     return out
+
+
+def task_record(task: common_pb2.Task) -> dict:
+    """The task of an outcome record as JSON (what a verifier needs to score the prompt again: the step
+    labeller, ``temper.reward.step_labels``); ``task_from_record`` reads it back."""
+    return {"domain": task.domain, "reference_answer": task.reference_answer, "metadata": dict(task.metadata)}
+
+
+def task_from_record(rec: dict) -> common_pb2.Task:
+    t = rec["task"]
+    return common_pb2.Task(task_id=rec.get("task_id", ""), domain=t["domain"], prompt=rec.get("prompt", ""),
+                           reference_answer=t.get("reference_answer", ""), metadata=t.get("metadata", {}))
 
 
 def per_test_outcomes(trace: sandbox_pb2.ExecutionTrace) -> dict | None:
