@@ -124,6 +124,11 @@ def test_replay_with_tls_serves_the_stacks_certificate_holders_only(tmp_path):
         run = subprocess.run([*TEMPER, "--home", str(home), "status"], capture_output=True, text=True, timeout=120,
                              env=env)
         assert run.returncode == 0 and "SERVING" in run.stdout, run.stdout + run.stderr
+        # the exec probe of a pod with mTLS (deploy/k8s/mtls): it answers only with the certificate
+        probe = [sys.executable, "-m", "temper.client.health", address]
+        assert subprocess.run(probe, capture_output=True, timeout=60, env={**env, TLS_DIR_ENV: str(client_dir)}
+                              ).returncode == 0
+        assert subprocess.run(probe, capture_output=True, timeout=60, env=env).returncode == 1
     finally:
         launcher.down()
     assert TLS_DIR_ENV not in os.environ  # down put this process's environment back
