@@ -36,14 +36,14 @@ def test_the_token_is_never_in_a_repr():
 
 
 def test_a_sandbox_bind_that_holds_the_token_file_is_named(tmp_path, monkeypatch):
-    from temper.runtime.auth import binds_exposing_token, write_token
+    from temper.runtime.auth import binds_exposing_secrets, write_token
 
     token_file = write_token(tmp_path / "home")
     monkeypatch.setenv(AUTH_TOKEN_FILE_ENV, str(token_file))
-    assert binds_exposing_token(["/usr", str(tmp_path)]) == [str(tmp_path)]
-    assert binds_exposing_token(["/usr", str(tmp_path / "other")]) == []
+    assert binds_exposing_secrets(["/usr", str(tmp_path)]) == [str(tmp_path)]
+    assert binds_exposing_secrets(["/usr", str(tmp_path / "other")]) == []
     monkeypatch.delenv(AUTH_TOKEN_FILE_ENV)
-    assert binds_exposing_token([str(tmp_path)]) == []
+    assert binds_exposing_secrets([str(tmp_path)]) == []
 
 
 @pytest.mark.slow

@@ -43,12 +43,13 @@ class _Client:
     stub_class: type
 
     def __init__(self, address: str, timeout: float = 60.0, channel: grpc.Channel | None = None,
-                 token: str | None = None):
+                 token: str | None = None, tls_dir: str | None = None):
         """``channel``: an existing channel to ``address`` (e.g. one carrying trace context); it is closed by ``close``.
-        ``token``: the services' shared auth token (default: the file ``$TEMPER_AUTH_TOKEN_FILE`` names, if set)."""
+        ``token``: the services' shared auth token (default: the file ``$TEMPER_AUTH_TOKEN_FILE`` names, if set).
+        ``tls_dir``: a folder with ``ca.crt``, ``tls.crt``, ``tls.key`` for mTLS (default: ``$TEMPER_TLS_DIR``, if set)."""
         self.address = address
         self.timeout = timeout
-        self._channel = channel if channel is not None else _channel(address, token=token)
+        self._channel = channel if channel is not None else _channel(address, token=token, tls_dir=tls_dir)
         self.stub = self.stub_class(self._channel)
 
     def close(self) -> None:
@@ -208,8 +209,8 @@ class ReplayClient(_Client):
     stub_class = replay_pb2_grpc.ReplayServiceStub
 
     def __init__(self, address: str, timeout: float = 60.0, channel: grpc.Channel | None = None,
-                 token: str | None = None):
-        super().__init__(address, timeout, channel, token)
+                 token: str | None = None, tls_dir: str | None = None):
+        super().__init__(address, timeout, channel, token, tls_dir)
         # Insert with requests serialized by _insert_requests (bytes on the wire as they are)
         self._insert_raw = self._channel.stream_unary("/temper.v1.ReplayService/Insert",
                                                       request_serializer=bytes,

@@ -10,6 +10,12 @@ without it. A channel carries the token as ``authorization: Bearer <token>`` met
 call: the one given (``token=``), else the content of the file named by ``TEMPER_AUTH_TOKEN_FILE``
 (what the launcher sets for the services it starts and for the ``temper`` CLI). The token never
 appears in a log or an error message. Health checks need none.
+
+Transport security: with ``TEMPER_TLS_DIR`` set (the launcher sets it for the services it starts and
+for the ``temper`` CLI when the job has ``[auth] tls = true``; in Kubernetes it names a mounted Secret)
+every channel, health checks included, is mTLS: it trusts only the CA in ``<dir>/ca.crt`` and presents
+``<dir>/tls.crt`` / ``<dir>/tls.key`` as its client certificate (the file names of a Kubernetes TLS
+Secret). ``channel_credentials`` is the one place that builds them.
 """
 
 from __future__ import annotations
@@ -55,6 +61,41 @@ BALANCED_OPTIONS = tuple(
 
 
 AUTH_TOKEN_FILE_ENV = "TEMPER_AUTH_TOKEN_FILE"
+TLS_DIR_ENV = "TEMPER_TLS_DIR"
+TLS_FILES = ("ca.crt", "tls.crt", "tls.key")  # the trusted CA, this process's certificate chain, its private key
+
+
+def tls_files(tls_dir: str | Path | None = None) -> tuple[bytes, bytes, bytes] | None:
+    """(CA, certificate chain, private key) PEM bytes from ``tls_dir`` (default ``$TEMPER_TLS_DIR``); None when
+    neither names a folder (plaintext). A folder that lacks a file is an error naming it."""
+    folder = tls_dir if tls_dir is not None else os.environ.get(TLS_DIR_ENV, "")
+    if not folder:
+        return None
+    out = []
+    for name in TLS_FILES:
+        path = Path(folder) / name
+        try:
+            out.append(path.read_bytes())
+        except OSError as e:
+            raise RuntimeError(f"{TLS_DIR_ENV}={folder}: cannot read {name} ({e.strerror})") from None
+    return out[0], out[1], out[2]
+
+
+def channel_credentials(tls_dir: str | Path | None = None) -> grpc.ChannelCredentials | None:
+    """mTLS credentials of a client channel (``tls_files``): trust the deployment's CA only, present this
+    process's certificate. None: plaintext."""
+    files = tls_files(tls_dir)
+    if files is None:
+        return None
+    ca, chain, key = files
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=chain)
+
+
+def _raw_channel(address: str, options=(), tls_dir: str | Path | None = None) -> grpc.Channel:
+    creds = channel_credentials(tls_dir)
+    if creds is None:
+        return grpc.insecure_channel(address, options=list(options))
+    return grpc.secure_channel(address, creds, options=list(options))
 
 
 def auth_token(token: str | None = None) -> str:
@@ -104,19 +145,20 @@ class BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterc
 
 
 def channel(address: str, interceptors: Sequence[grpc.UnaryUnaryClientInterceptor] = (),
-            token: str | None = None) -> grpc.Channel:
+            token: str | None = None, tls_dir: str | Path | None = None) -> grpc.Channel:
     """A channel to ``address`` with Temper's limits and retry policy, carrying the auth token (``auth_token``)
-    when there is one. Plaintext: in the embedded mode every service is on loopback."""
+    when there is one; mTLS with the certificates in ``tls_dir`` (default ``$TEMPER_TLS_DIR``), else plaintext."""
     options = BALANCED_OPTIONS if address.startswith(BALANCED_TARGETS) else CHANNEL_OPTIONS
-    ch = grpc.insecure_channel(address, options=list(options))
+    ch = _raw_channel(address, options, tls_dir)
     token = auth_token(token)
     interceptors = (BearerToken(token), *interceptors) if token else tuple(interceptors)
     return grpc.intercept_channel(ch, *interceptors) if interceptors else ch
 
 
-def check_health(address: str, timeout: float = 1.0, service: str = "") -> str:
-    """The health status name of the server at ``address`` ("UNREACHABLE" if it does not answer)."""
-    with grpc.insecure_channel(address) as ch:
+def check_health(address: str, timeout: float = 1.0, service: str = "", tls_dir: str | Path | None = None) -> str:
+    """The health status name of the server at ``address`` ("UNREACHABLE" if it does not answer, or refuses
+    this process's TLS identity); over mTLS when ``tls_dir`` / ``$TEMPER_TLS_DIR`` names certificates."""
+    with _raw_channel(address, tls_dir=tls_dir) as ch:
         try:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
                                                         timeout=timeout)

@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from temper.client.transport import AUTH_TOKEN_FILE_ENV
+from temper.client.transport import AUTH_TOKEN_FILE_ENV, TLS_DIR_ENV
 from temper.runtime.errors import TemperError
 from temper.runtime.launcher import SERVICES, Launcher
 
@@ -144,7 +144,10 @@ def cmd_resume(args) -> int:
 
 
 def cmd_down(args) -> int:
-    stopped = _launcher(args).down()
+    launcher = _launcher(args)
+    stopped = launcher.down()
+    if launcher.jobs_ended:
+        print("jobs stopped: " + ", ".join(launcher.jobs_ended))
     print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
     return 0
 
@@ -600,6 +603,10 @@ def main(argv: list[str] | None = None) -> int:
         state = Launcher(home=args.home).load()
         if state is not None and state.auth_token_file:  # the stack of --home wants its token: the SDK sends it
             os.environ.setdefault(AUTH_TOKEN_FILE_ENV, state.auth_token_file)
+        if state is not None and state.tls_dir:  # [auth] tls: the CLI's calls present the stack's client certificate
+            from temper.runtime.tls import CLIENT, tls_dir_of
+
+            os.environ.setdefault(TLS_DIR_ENV, tls_dir_of(state.tls_dir, CLIENT))
         return args.fn(args)
     except (RuntimeError, TimeoutError, ValueError, FileNotFoundError, TemperError) as e:
         print(f"temper: {e}", file=sys.stderr)

@@ -15,6 +15,10 @@ Invariants (the learner's importance ratios depend on them):
 * ``apply_weights`` checks every tensor (names, shapes, finiteness) before touching the model,
   and an update whose installation fails part-way is rolled back to the previous weights, so
   a bad or partial update leaves the old version serving.
+* A generation whose caller has gone (``cancelled()`` true: its gRPC deadline passed or it hung up)
+  is not started, and one in flight is dropped from the batch before the next step (vLLM: aborted;
+  HF: its rows stop at the next token): the engine never spends forward passes on an answer nobody
+  will read. The caller gets ``DeadlineExceeded``; ``cancelled_jobs`` counts them.
 * Logprobs are log p of each sampled token under the distribution it was drawn from:
   softmax(logits / temperature) after top-k / top-p filtering (temperature 0: softmax(logits)),
   in nats. With top_k = 0 and top_p = 1 (no filtering) this is exactly what the learner's
@@ -28,6 +32,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +41,7 @@ from typing import Any
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from temper.runtime.errors import FailedPrecondition, InvalidArgument, TemperError, require
+from temper.runtime.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, TemperError, require
 
 
 def encode_prompt(tokenizer, text: str, apply_chat_template: bool = False, field_name: str = "prompt",
@@ -90,6 +95,7 @@ class GenerateJob:
     future: Future = field(default_factory=Future)
     version: int = -1  # set when the engine thread admits it
     results: list[PromptResult | None] = field(default_factory=list)
+    cancelled: Callable[[], bool] = lambda: False  # true once nobody waits for the result (the call's deadline)
 
 
 @dataclass
@@ -122,6 +128,7 @@ class Engine(ABC):
         self._running: list[GenerateJob] = []  # admitted, not finished (engine thread only)
         self._closed = False
         self.max_jobs_in_flight = 0  # most generate calls ever batched together (observability, tests)
+        self.cancelled_jobs = 0  # generate calls dropped because their caller had gone (before or mid-generation)
         # What a failed installation rolls back to: the last applied tensors (a host copy of the
         # weights is kept for this), or None for the weights in model_dir.
         self._installed: dict[str, torch.Tensor] | None = None
@@ -156,10 +163,16 @@ class Engine(ABC):
                     f"token ids must be in [0, {self.vocab_size})")
 
     # -- callers (any thread) --------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> tuple[list[PromptResult], int]:
-        """Sample ``params.n`` completions per prompt; returns them and the version that made them."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 cancelled: Callable[[], bool] | None = None) -> tuple[list[PromptResult], int]:
+        """Sample ``params.n`` completions per prompt; returns them and the version that made them.
+
+        ``cancelled``: polled by the engine thread (before admission and between steps); once it is true the
+        work is dropped and this raises ``DeadlineExceeded`` (the servicer passes "the call is no longer active")."""
         self.validate(prompts, params)
         job = GenerateJob(next(self._ids), [list(p) for p in prompts], params)
+        if cancelled is not None:
+            job.cancelled = cancelled
         self._submit(job)
         return job.future.result()
 
@@ -229,6 +242,8 @@ class Engine(ABC):
                 self._install(update)
                 continue
             for job in admitted:
+                if self._drop_if_cancelled(job):
+                    continue
                 job.version = self.policy_version
                 job.results = [None] * len(job.prompts)
                 try:
@@ -252,7 +267,25 @@ class Engine(ABC):
                 job.future.set_exception(error)
         self._shutdown()
 
+    def _drop_if_cancelled(self, job: GenerateJob) -> bool:
+        if not job.cancelled():
+            return False
+        self.cancelled_jobs += 1
+        job.future.set_exception(DeadlineExceeded("the caller's deadline passed (or it cancelled) before the "
+                                                  "generation finished; nothing more was generated for it"))
+        return True
+
     def _advance(self) -> None:
+        gone = [job for job in self._running if job.cancelled()]
+        if gone:  # callers that left since the last step: their sequences leave the batch now
+            self._running = [job for job in self._running if job not in gone]
+            try:
+                self._abort(gone)
+            finally:
+                for job in gone:
+                    self._drop_if_cancelled(job)
+            if not self._running:
+                return
         try:
             finished = self._step()
         except Exception as e:  # noqa: BLE001 - fail what was in flight, keep serving
@@ -265,7 +298,8 @@ class Engine(ABC):
             return
         for job in finished:
             self._running.remove(job)
-            job.future.set_result((job.results, job.version))
+            if not self._drop_if_cancelled(job):  # (HF: its rows stopped early, the results are partial)
+                job.future.set_result((job.results, job.version))
 
     def _install(self, job: UpdateJob) -> None:
         try:
@@ -386,8 +420,11 @@ class HFEngine(Engine):
                                       output_scores=True, return_dict_in_generate=True)
         if not greedy:
             kwargs.update(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+        # rows of a caller that has gone stop at the next token; the job is dropped when the call returns
+        criteria = [_CallerGone([job for job, _ in rows])]
         if params.stop:
-            kwargs.update(stopping_criteria=StoppingCriteriaList([_StopStrings(tok, params.stop, width)]))
+            criteria.append(_StopStrings(tok, params.stop, width))
+        kwargs.update(stopping_criteria=StoppingCriteriaList(criteria))
         if params.seed is not None:
             torch.manual_seed(params.seed)
         out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
@@ -425,6 +462,18 @@ class HFEngine(Engine):
         params = dict(self.model.named_parameters())
         for name, t in tensors.items():
             params[name].copy_(t)
+
+
+class _CallerGone(StoppingCriteria):
+    """Each row of a job whose caller has gone (``GenerateJob.cancelled``) is done."""
+
+    def __init__(self, row_jobs: list[GenerateJob]):
+        self.row_jobs = row_jobs
+        self.jobs = list({id(job): job for job in row_jobs}.values())
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        gone = {id(job) for job in self.jobs if job.cancelled()}
+        return torch.tensor([id(job) in gone for job in self.row_jobs], dtype=torch.bool, device=input_ids.device)
 
 
 class _StopStrings(StoppingCriteria):

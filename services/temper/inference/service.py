@@ -27,8 +27,12 @@ class InferenceService(Service[InferenceConfig]):
         # torch and the engines are imported here, not at the top: `--help` and the launcher stay fast
         from temper.inference.servicer import InferenceServicer
 
+        from prometheus_client import Gauge
+
         engine = engine_from_config(self.config)  # the slow part (model load); the port is already bound
         stack.callback(engine.close)
+        Gauge("temper_inference_cancelled_generations", "Generate calls dropped because the caller's deadline passed "
+              "(or it hung up) before they finished").set_function(lambda: engine.cancelled_jobs)
         self.servicer = InferenceServicer(engine, self.config.max_chunk_bytes, model_name=self.config.model_dir,
                                           max_sequences=self.config.max_sequences_per_request)
 

@@ -40,7 +40,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         params = SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
                                 max_tokens=s.max_tokens, stop=list(s.stop),
                                 seed=s.seed if s.HasField("seed") else None)
-        results, version = self.engine.generate(prompts, params)
+        # a caller whose deadline passed (or who hung up) gets nothing more generated for it
+        results, version = self.engine.generate(prompts, params, cancelled=lambda: not context.is_active())
         return inference_pb2.GenerateResponse(policy_version=version, results=[
             inference_pb2.PromptResult(prompt_token_ids=r.prompt_token_ids, completions=[
                 inference_pb2.Completion(token_ids=c.token_ids, logprobs=c.logprobs, text=c.text,

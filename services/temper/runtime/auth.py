@@ -31,7 +31,7 @@ from typing import Literal
 import grpc
 from pydantic import BaseModel, ConfigDict, Field
 
-from temper.client.transport import AUTH_TOKEN_FILE_ENV, auth_token
+from temper.client.transport import AUTH_TOKEN_FILE_ENV, TLS_DIR_ENV, auth_token
 from temper.runtime.config import job_table
 
 OPEN_METHODS = ("/grpc.health.v1.Health/",)  # prefixes callable without a token
@@ -44,6 +44,9 @@ class AuthConfig(BaseModel):
 
     mode: Literal["none", "token"] = Field("none", description='"token": every service requires the shared token '
                                                                "that the launcher generates under <home>/auth")
+    tls: bool = Field(False, description="mTLS between every service, the launcher and the CLI: the launcher makes a CA "
+                                         "and one certificate per service under <home>/tls; every gRPC port then "
+                                         "requires a client certificate from that CA (temper.runtime.tls)")
 
     @classmethod
     def from_config(cls, cfg: dict, source: str | Path = "config") -> AuthConfig:
@@ -72,13 +75,13 @@ def server_token() -> str:
     return token
 
 
-def binds_exposing_token(binds: list[str] | tuple[str, ...]) -> list[str]:
-    """The host folders among ``binds`` (the sandbox's read-only binds) that hold this process's token file."""
-    path = os.environ.get(AUTH_TOKEN_FILE_ENV, "")
-    if not path:
-        return []
-    token = Path(path).resolve()
-    return [b for b in binds if token.is_relative_to(Path(b).resolve())]
+def binds_exposing_secrets(binds: list[str] | tuple[str, ...]) -> list[str]:
+    """The host folders among ``binds`` (the sandbox's read-only binds) that hold this process's token file or
+    its TLS key folder (``$TEMPER_TLS_DIR``), or sit inside that folder."""
+    secrets_ = [Path(p).resolve() for p in (os.environ.get(AUTH_TOKEN_FILE_ENV, ""), os.environ.get(TLS_DIR_ENV, ""))
+                if p]
+    return [b for b in binds
+            if any(s.is_relative_to(Path(b).resolve()) or Path(b).resolve().is_relative_to(s) for s in secrets_)]
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):

@@ -52,16 +52,17 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import grpc
+
 from temper import jobs
-from temper.client.transport import AUTH_TOKEN_FILE_ENV
+from temper.client.transport import AUTH_TOKEN_FILE_ENV, TLS_DIR_ENV
 from temper.runtime.auth import AuthConfig, write_token
 from temper.runtime.broker import start_broker_on_free_port
 from temper.runtime.config import ServiceConfig, wiring
 from temper.runtime.rpc import check_health
 from temper.runtime.service import read_port_file
 from temper.runtime.supervisor import Exit, RestartPolicy, Supervisor
-
-_UNSET = object()
+from temper.runtime.tls import CLIENT, tls_dir_of, write_certificates
 
 # every service, in the order `down` reverses (dependencies first); the start order is derived from the configs
 SERVICES = ("inference", "sandbox", "reward", "replay", "monitor", "learner", "scheduler")
@@ -92,6 +93,7 @@ class State:
     stopping: bool = False      # `down` has begun: nothing is restarted any more
     supervisor_pid: int = 0     # the detached supervisor `temper up` left (0: none, or a thread of the up process)
     auth_token_file: str = ""   # [auth] mode = "token": the token's file (its path only; services get it in their env)
+    tls_dir: str = ""           # [auth] tls = true: <home>/tls, one identity folder per service and the client's
 
     @property
     def kafka_bootstrap(self) -> str:
@@ -162,7 +164,8 @@ class Launcher:
         self.state_file = self.home / "state.json"
         self.supervisor: Supervisor | None = None
         self._children: dict[int, subprocess.Popen] = {}
-        self._own_env: str | None | object = _UNSET  # $TEMPER_AUTH_TOKEN_FILE before up set it
+        self._own_env: dict[str, str | None] | None = None  # $TEMPER_AUTH_TOKEN_FILE / $TEMPER_TLS_DIR before up
+        self.jobs_ended: list[str] = []  # the scheduler's jobs the last `down` stopped
 
     # -- state -----------------------------------------------------------------------------
     def load(self) -> State | None:
@@ -173,7 +176,7 @@ class Launcher:
         return State(home=raw["home"], config=raw["config"], broker=broker,
                      services={k: Proc(**v) for k, v in raw.get("services", {}).items()},
                      stopping=raw.get("stopping", False), supervisor_pid=raw.get("supervisor_pid", 0),
-                     auth_token_file=raw.get("auth_token_file", ""))
+                     auth_token_file=raw.get("auth_token_file", ""), tls_dir=raw.get("tls_dir", ""))
 
     def _save(self, state: State) -> None:
         with self._locked(self.home / "state.lock"):
@@ -244,9 +247,14 @@ class Launcher:
         state = State(home=str(self.home), config=str(self.config_path))
         if auth.mode == "token":
             state.auth_token_file = str(write_token(self.home))
-            # this process's own calls (temper run follows the job through the SDK) carry it too
-            self._own_env = os.environ.get(AUTH_TOKEN_FILE_ENV)
-            os.environ[AUTH_TOKEN_FILE_ENV] = state.auth_token_file
+        if auth.tls:  # a certificate for every service (a later `temper up replay` may start any), and the client's
+            state.tls_dir = str(write_certificates(self.home, SERVICES))
+        # this process's own calls (temper run follows the job through the SDK) carry the token / certificate too
+        own = {AUTH_TOKEN_FILE_ENV: state.auth_token_file, TLS_DIR_ENV: tls_dir_of(state.tls_dir, CLIENT)}
+        own = {k: v for k, v in own.items() if v}
+        if own:
+            self._own_env = {k: os.environ.get(k) for k in own}
+            os.environ.update(own)
         deadline = time.monotonic() + timeout
         try:
             proc, port = start_broker_on_free_port(logs / "broker.log")
@@ -256,8 +264,7 @@ class Launcher:
             ensure_topics(state.kafka_bootstrap)
             for wave in waves(names):
                 for name in wave:
-                    state.services[name] = self._start(self._proc(name, state, cfg, model_dir, logs),
-                                                       state.auth_token_file)
+                    state.services[name] = self._start(self._proc(name, state, cfg, model_dir, logs), state)
                     self._save(state)
                 self._wait_all(wave, state, deadline, self._wait_reported)
                 self._save(state)
@@ -265,18 +272,18 @@ class Launcher:
             if supervise == "thread":
                 self.supervisor = Supervisor(self, policy).start()
             elif supervise == "process":
-                state.supervisor_pid = self._start_supervisor_process(logs)
+                state.supervisor_pid = self._start_supervisor_process(logs, state)
                 self._save(state)
         except BaseException:
             self.down()
             raise
         return state
 
-    def _start_supervisor_process(self, logs: Path) -> int:
+    def _start_supervisor_process(self, logs: Path, state: State) -> int:
         with open(logs / "supervisor.log", "ab") as log:
             proc = subprocess.Popen([sys.executable, "-m", "temper.runtime.supervisor", "--home", str(self.home)],
                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, env=_service_env(""))
+                                    start_new_session=True, env=_service_env("", tls_dir_of(state.tls_dir, CLIENT)))
         return proc.pid
 
     def _model_dir(self, cfg: dict) -> Path:
@@ -315,12 +322,13 @@ class Launcher:
                 args += [flag, str(job[w["from_job"]])]
         return args
 
-    def _start(self, p: Proc, auth_token_file: str) -> Proc:
+    def _start(self, p: Proc, state: State) -> Proc:
         if p.port_file:  # a report left by an earlier process must not be taken for this one's
             Path(p.port_file).unlink(missing_ok=True)
         with open(p.log, "ab") as log:
             proc = subprocess.Popen(p.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, env=_service_env(auth_token_file))
+                                    start_new_session=True,
+                                    env=_service_env(state.auth_token_file, tls_dir_of(state.tls_dir, p.name)))
         # kept: a dropped Popen of a live child is reaped by the next Popen's clean-up, status lost
         self._children[proc.pid] = proc
         p.pid, p.started_at = proc.pid, time.time()
@@ -411,7 +419,7 @@ class Launcher:
         p.args = _set_flag(_set_flag(p.args, "--port", p.address.rsplit(":", 1)[1]), "--metrics-port",
                            str(p.metrics_port))
         p.stopped, p.failed = False, ""
-        self._start(p, state.auth_token_file)
+        self._start(p, state)
         self._save_service(p)
         state.services[name] = p
         deadline = time.monotonic() + timeout
@@ -439,21 +447,28 @@ class Launcher:
             time.sleep(0.05)
         raise TimeoutError(f"{p.name} reported no port in time; its log ({p.log}) ends:\n{_tail(p.log)}")
 
-    @staticmethod
-    def _wait_serving(p: Proc, deadline: float) -> None:
+    def _wait_serving(self, p: Proc, deadline: float) -> None:
+        tls_dir = self._client_tls_dir()
         while time.monotonic() < deadline:
             if not pid_alive(p.pid):
                 raise RuntimeError(f"{p.name} exited during start-up; its log ({p.log}) ends:\n{_tail(p.log)}")
-            if check_health(p.address, timeout=0.5) == "SERVING":
+            if check_health(p.address, timeout=0.5, tls_dir=tls_dir) == "SERVING":
                 return
             time.sleep(0.1)
         raise TimeoutError(f"{p.name} not healthy in time; its log ({p.log}) ends:\n{_tail(p.log)}")
+
+    def _client_tls_dir(self) -> str:
+        """The launcher's own TLS identity for the stack in ``home`` ("": plaintext): health checks use it
+        whichever process (``up``, the supervisor, another ``temper`` command) makes them."""
+        state = self.load()
+        return tls_dir_of(state.tls_dir, CLIENT) if state else ""
 
     # -- status / down ---------------------------------------------------------------------
     def status(self) -> list[dict]:
         state = self.load()
         if state is None:
             return []
+        tls_dir = tls_dir_of(state.tls_dir, CLIENT)
         rows = []
         if state.broker:
             rows.append({"name": "broker", "address": state.broker.address, "pid": state.broker.pid,
@@ -463,7 +478,7 @@ class Launcher:
                          "health": "RUNNING" if pid_alive(state.supervisor_pid) else "DEAD"})
         for p in state.services.values():
             if pid_alive(p.pid):
-                health = check_health(p.address)
+                health = check_health(p.address, tls_dir=tls_dir)
             else:
                 health = "FAILED" if p.failed else "STOPPED" if p.stopped else "DEAD"
             rows.append({"name": p.name, "address": p.address, "pid": p.pid, "health": health,
@@ -472,7 +487,12 @@ class Launcher:
         return rows
 
     def down(self, grace: float = 15.0) -> list[str]:
-        """Stop every recorded process (supervision first, then services in reverse start order, then the broker)."""
+        """Stop every recorded process (supervision first, then services in reverse start order, then the broker).
+
+        Before the scheduler stops, every job it still runs or holds paused is stopped through StopJob
+        (``jobs_ended`` lists them): ``down`` is the user ending the stack, so its saved jobs are STOPPED and a
+        later ``up`` on this home does not resume them. (A crash, or the supervisor's restart, leaves them
+        RUNNING: that scheduler resumes them.)"""
         def stopping(state: State) -> None:
             state.stopping = True
         state = self._update(stopping)
@@ -487,16 +507,43 @@ class Launcher:
             with self._service_lock(name):
                 pass
         state = self.load()
+        self.jobs_ended = self._end_jobs(state)
         procs = [state.services[n] for n in reversed(SERVICES) if n in state.services]
         stopped = _terminate(procs, grace) + (_terminate([state.broker], 5.0) if state.broker else [])
         self.reap()
-        if self._own_env is not _UNSET:  # this process's SDK calls go back to what they were
-            os.environ.pop(AUTH_TOKEN_FILE_ENV, None)
-            if self._own_env is not None:
-                os.environ[AUTH_TOKEN_FILE_ENV] = self._own_env
-            self._own_env = _UNSET
+        if self._own_env is not None:  # this process's SDK calls go back to what they were
+            for key, value in self._own_env.items():
+                os.environ.pop(key, None)
+                if value is not None:
+                    os.environ[key] = value
+            self._own_env = None
         self.state_file.unlink(missing_ok=True)
         return stopped
+
+
+    def _end_jobs(self, state: State) -> list[str]:
+        """StopJob for each RUNNING or PAUSED job of the stack's live scheduler; the ids stopped. Best effort:
+        a scheduler that does not answer keeps its jobs as saved (and ``down`` goes on)."""
+        p = state.services.get("scheduler")
+        if p is None or not pid_alive(p.pid):
+            return []
+        from temper.client.sdk import SchedulerClient
+        from temper.v1 import scheduler_pb2
+
+        active = (scheduler_pb2.JOB_STATE_RUNNING, scheduler_pb2.JOB_STATE_PAUSED)
+        token = Path(state.auth_token_file).read_text().strip() if state.auth_token_file else None
+        ended = []
+        try:
+            with SchedulerClient(p.address, timeout=60, token=token,
+                                 tls_dir=tls_dir_of(state.tls_dir, CLIENT)) as scheduler:
+                for job in scheduler.list_jobs():
+                    if job.state in active:
+                        scheduler.stop_job(job.job_id)
+                        ended.append(job.job_id)
+        except grpc.RpcError as e:
+            print(f"temper down: could not stop the scheduler's jobs ({e.code().name}: {e.details()}); "
+                  f"saved jobs stay as they are", file=sys.stderr)
+        return ended
 
 
 def _terminate(procs: list[Proc], grace: float) -> list[str]:
@@ -515,11 +562,14 @@ def _terminate(procs: list[Proc], grace: float) -> list[str]:
     return [p.name for p in live]
 
 
-def _service_env(auth_token_file: str) -> dict[str, str]:
-    """A child's environment: ours, with the auth token's file when the stack has one (and never another's)."""
-    env = {k: v for k, v in os.environ.items() if k != AUTH_TOKEN_FILE_ENV}
+def _service_env(auth_token_file: str, tls_dir: str = "") -> dict[str, str]:
+    """A child's environment: ours, with the auth token's file and the child's own TLS identity folder when the
+    stack has them (and never another's)."""
+    env = {k: v for k, v in os.environ.items() if k not in (AUTH_TOKEN_FILE_ENV, TLS_DIR_ENV)}
     if auth_token_file:
         env[AUTH_TOKEN_FILE_ENV] = auth_token_file
+    if tls_dir:
+        env[TLS_DIR_ENV] = tls_dir
     return {**env, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
             "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 

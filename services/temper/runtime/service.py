@@ -17,6 +17,8 @@ checks of its background work (``checks``). The runtime does the rest, in this o
 4. ``open`` (resources, in order), ``register``, server start, health SERVING;
    With ``TEMPER_AUTH_TOKEN_FILE`` set, every call but health checks needs that file's token
    (``temper.runtime.auth``: UNAUTHENTICATED without one, PERMISSION_DENIED with another);
+   with ``TEMPER_TLS_DIR`` set, the port serves TLS only and requires a client certificate from the
+   deployment's CA (``temper.runtime.tls``);
 5. on SIGTERM/SIGINT: health NOT_SERVING, the server stops accepting calls and lets in-flight
    ones finish for ``grace_seconds``, then the ExitStack closes the resources in reverse order.
 
@@ -49,6 +51,7 @@ from temper.runtime.auth import TokenAuthInterceptor, server_token
 from temper.runtime.config import ServiceConfig, describe_errors, load_config
 from temper.runtime.logs import setup_logging
 from temper.runtime.rpc import ErrorMappingInterceptor
+from temper.runtime.tls import server_credentials
 from temper.runtime.tracing import setup_tracing, shutdown_tracing
 
 C = TypeVar("C", bound=ServiceConfig)
@@ -134,16 +137,19 @@ def run(service_cls: type[Service], argv: list[str] | None = None) -> None:
         metrics_port = metrics_server.server_port
     try:
         token = server_token()
+        credentials = server_credentials()
     except RuntimeError as e:
         sys.exit(f"{prog}: {e}")
     server = _server(config, service.name, token)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    bind = f"{config.host}:{config.port}"
+    port = server.add_insecure_port(bind) if credentials is None else server.add_secure_port(bind, credentials)
     if port == 0:
         sys.exit(f"{prog}: cannot bind {config.host}:{config.port}")
     address = f"{config.host}:{port}"
     if config.port_file:
         write_port_file(config.port_file, address, metrics_port)
-    log.info("bound", address=address, metrics_port=metrics_port, auth="token" if token else "none")
+    log.info("bound", address=address, metrics_port=metrics_port, auth="token" if token else "none",
+             tls="mtls" if credentials is not None else "off")
 
     def on_signal(signum, _frame):
         log.info("stopping", signal=signal.Signals(signum).name)

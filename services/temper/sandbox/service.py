@@ -6,9 +6,9 @@ from contextlib import ExitStack
 
 from prometheus_client import Gauge
 
-from temper.client.transport import AUTH_TOKEN_FILE_ENV
+from temper.client.transport import AUTH_TOKEN_FILE_ENV, TLS_DIR_ENV
 from temper.runtime import kafka
-from temper.runtime.auth import binds_exposing_token
+from temper.runtime.auth import binds_exposing_secrets
 from temper.runtime.logs import get_logger
 from temper.runtime.service import Service, StartupError
 from temper.sandbox.config import SandboxConfig, build_executor
@@ -29,10 +29,11 @@ class SandboxService(Service[SandboxConfig]):
         self.producer: kafka.ProtoProducer | None = None
 
     def open(self, stack: ExitStack) -> None:
-        exposing = binds_exposing_token(self.config.binds)
+        exposing = binds_exposing_secrets(self.config.binds)
         if exposing:
             raise StartupError(f"sandbox.binds: {', '.join(exposing)} holds the services' auth token file "
-                               f"(${AUTH_TOKEN_FILE_ENV}); sandboxed programs must not see it: bind another folder")
+                               f"(${AUTH_TOKEN_FILE_ENV}) or TLS keys (${TLS_DIR_ENV}); sandboxed programs must not see "
+                               "them: bind another folder")
         try:
             self.executor, self.pool = build_executor(self.config)
         except (RuntimeError, ValueError) as e:  # runsc missing, not root, no cgroups, bad warm_language
