@@ -23,7 +23,8 @@ TESTS = {
                      "def test_median_odd():\n    assert median([3, 1, 2]) == 2\n\n\n"
                      "def test_median_even():\n    assert median([4, 1, 3, 2]) == 2.5\n",
     # a plain assert file (one test), using the solution's names directly
-    "test_empty.py": "try:\n    mean([])\nexcept ValueError:\n    pass\nelse:\n    raise AssertionError('mean([]) must raise')\n",
+    "test_empty.py": "try:\n    mean([])\nexcept ValueError:\n    pass\nelse:\n"
+                     "    raise AssertionError('mean([]) must raise')\n",
     "helpers.py": "def close(a, b):\n    return abs(a - b) < 1e-9\n",  # support code beside the tests
 }
 CORRECT = """```python
