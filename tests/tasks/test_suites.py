@@ -107,6 +107,8 @@ def test_one_problem_folder_a_jsonl_of_problems_and_the_options(tmp_path):
     ("no tests folder", "tests_dir", "no tests folder"),
     ("no tests", "tests_dir", "holds no tests (test_*.py or *_test.py files)"),
     ("bad verifier name", "verifier", "unknown verifier 'tests.most_pass'"),
+    ("bad verifier name, format tests", "verifier", "unknown verifier 'test.pass_fraction'"),
+    ("no verifier", "verifier", "required"),
     ("other verifier with format tests", "verifier", "is scored by one of"),
     ("format mismatch", "format", "format must be 'tests'"),
     ("suite option elsewhere", "tests_dir", "only for a tests-folder domain"),
@@ -143,7 +145,10 @@ def test_bad_input_is_refused_naming_the_option_and_the_file(tmp_path, case, opt
         (root / "add" / "tests" / "test_plain.py").unlink()
     elif case == "bad verifier name":
         c["verifier"] = "tests.most_pass"
-        c["format"] = "tests"
+    elif case == "bad verifier name, format tests":
+        c.update(verifier="test.pass_fraction", format="tests")
+    elif case == "no verifier":
+        del c["verifier"]
     elif case == "other verifier with format tests":
         c.update(verifier="exact_answer", format="tests")
     elif case == "format mismatch":

@@ -185,13 +185,15 @@ def _dataset(domain: str, field: str, key: str, stamp: str, eval_stamp: str) -> 
             raise InvalidArgument(f"only for a tests-folder domain (verifier one of {list(suites.VERIFIERS)})",
                                   field=f"{field}.{option}")
         require(option in allowed, f"{field}.{option}", f"unknown option; a data.* domain takes {list(allowed)}")
-    for option in ("path", "verifier") if folders else REQUIRED:
-        require(option in config, f"{field}.{option}", "required")
     for option in sorted(set(OPTIONS) - {"eval_fraction"}):
         if option in config:
             require(isinstance(config[option], str), f"{field}.{option}", f"must be a string, got {config[option]!r}")
+    # the verifier first: it decides which other options are required
+    require("verifier" in config, f"{field}.verifier", "required")
     verifier = config["verifier"]
     needs_reference = _check_verifier(verifier, f"{field}.verifier")
+    for option in ("path",) if folders else REQUIRED:
+        require(option in config, f"{field}.{option}", "required")
     if folders:
         suites.check_options(config, field)
     answer_field = config.get("answer_field", "")

@@ -57,8 +57,8 @@ MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\.py")
 
 
 def uses_suites(config: dict) -> bool:
-    """Whether a data domain's table declares a tests-folder domain (by its verifier or format)."""
-    return config.get("verifier") in VERIFIERS or config.get("format") == "tests"
+    """Whether a data domain's table declares a tests-folder domain (by its verifier, tests.*, or format)."""
+    return str(config.get("verifier", "")).startswith("tests.") or config.get("format") == "tests"
 
 
 def instruction(config: dict) -> str:
