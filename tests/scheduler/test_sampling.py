@@ -309,3 +309,95 @@ def test_a_jobs_sampling_state_round_trips_through_json():
     again.load_sampling_state(json.loads(json.dumps(job.sampling_state())))
     assert again.status().domains == job.status().domains
     assert again.groups_scored == job.groups_scored == 4
+
+
+def rm_scored(group: common_pb2.RolloutGroup, rm_agrees: bool | None, with_verifier: bool = True
+              ) -> common_pb2.RolloutGroup:
+    """``group`` as the `scored` stream delivers it: trajectory k right (exact_answer 1) when k is even; an
+    ``rm`` score of 0.9 for a right one and 0.1 for a wrong one where ``rm_agrees`` (the reverse where not;
+    no rm component where None)."""
+    out = common_pb2.RolloutGroup()
+    out.CopyFrom(group)
+    ok = common_pb2.REWARD_STATUS_OK
+    for k, t in enumerate(out.trajectories):
+        right = float(k % 2 == 0)
+        t.reward.status, t.reward.total = ok, right
+        if with_verifier:
+            t.reward.components.add(name="exact_answer", value=right, weight=1.0, status=ok)
+        t.reward.components.add(name="format.boxed", value=1.0, status=ok)  # not a verifier of the answer
+        if rm_agrees is not None:
+            t.reward.components.add(name="rm", value=(0.9 if right else 0.1) if rm_agrees else (0.1 if right else 0.9),
+                                    weight=0.5, status=ok)
+    return out
+
+
+def test_group_rm_confidence_is_agreement_with_the_verifier_else_the_score_margin():
+    from temper.scheduler.sampling import group_rm_confidence
+
+    group = common_pb2.RolloutGroup(group_id="g", trajectories=[common_pb2.Trajectory() for _ in range(4)])
+    assert group_rm_confidence(rm_scored(group, True).trajectories) == pytest.approx(0.9)  # 1 - |0.9 - 1|, ...
+    assert group_rm_confidence(rm_scored(group, False).trajectories) == pytest.approx(0.1)
+    assert group_rm_confidence(rm_scored(group, None).trajectories) is None  # no RM: no confidence
+    # no verifier: the margin |2 rm - 1| of scores 0.9 / 0.1, whichever way round
+    assert group_rm_confidence(rm_scored(group, False, with_verifier=False).trajectories) == pytest.approx(0.8)
+    undecided = rm_scored(group, True, with_verifier=False)
+    for t in undecided.trajectories:
+        t.reward.components[-1].value = 0.5
+    assert group_rm_confidence(undecided.trajectories) == 0.0
+    failed = rm_scored(group, True)
+    for t in failed.trajectories:
+        t.reward.components[-1].status = common_pb2.REWARD_STATUS_ERROR  # an RM that failed says nothing
+    assert group_rm_confidence(failed.trajectories) is None
+
+
+def test_rm_confidence_shifts_weight_and_loss_weight_away_from_a_domain_whose_rm_disagrees():
+    spec = JobSpec(job_id="rmc", steps=2, prompts_per_step=12, group_size=4,
+                   domains=["toy.copy", "toy.next", "toy.add"], sampling={"rm_confidence": {"window": 4}})
+    job, published = scripted_job(spec, lambda task, k: False)
+    job.run_step(0)
+    assert {g.loss_weight for g in published} == {1.0}  # nothing measured yet: factor 1
+    agrees = {"toy.copy": True, "toy.next": False, "toy.add": None}  # toy.add: no reward model
+    for g in published:
+        job.observe_scored(rm_scored(g, agrees[g.task.domain]))
+    view = {d.domain: d for d in job.status().domains}
+    assert set(view) == set(agrees) and all(view[d].groups > 0 for d in view)  # the seeded draws hit all three
+    assert view["toy.copy"].rm_confidence == pytest.approx(0.9)
+    assert view["toy.next"].rm_confidence == pytest.approx(0.1)
+    assert view["toy.add"].rm_confidence == -1.0
+    # factors: min_factor 0.1 + 0.9 * confidence; a domain without RM keeps 1
+    factors = {"toy.copy": 0.1 + 0.9 * 0.9, "toy.next": 0.1 + 0.9 * 0.1, "toy.add": 1.0}
+    total = sum(factors.values())
+    for d, f in factors.items():
+        assert view[d].weight == pytest.approx(f / total)
+        assert view[d].loss_weight == pytest.approx(f)
+    assert view["toy.next"].weight < view["toy.copy"].weight < view["toy.add"].weight
+    before = len(published)
+    job.run_step(1)
+    assert {(g.task.domain, round(g.loss_weight, 6)) for g in published[before:]} <= {
+        (d, round(f, 6)) for d, f in factors.items()}
+    # the learned confidences are part of the job's state
+    again, _ = scripted_job(spec, lambda task, k: False)
+    again.load_sampling_state(json.loads(json.dumps(job.sampling_state())))
+    assert again.status().domains == job.status().domains
+
+
+def test_rm_confidence_multiplies_the_loss_weighting():
+    p = policy(["toy.copy", "toy.next"], rm_confidence={"window": 2, "min_factor": 0.5},
+               loss_weighting={"weights": {"toy.copy": 2.0}})
+    p.observe("toy.copy", 0, "a", [1.0, 0.0], rm_confidence=0.0)
+    assert p.loss_weight("toy.copy") == pytest.approx(2.0 * 0.5) and p.loss_weight("toy.next") == 1.0
+    p.observe("toy.copy", 0, "b", [1.0, 0.0], rm_confidence=1.0)
+    assert p.rm_confidence("toy.copy") == 0.5 and p.loss_weight("toy.copy") == pytest.approx(2.0 * 0.75)
+
+
+@pytest.mark.parametrize("table, field", [
+    ({"window": 0}, "sampling.rm_confidence.window"),
+    ({"min_factor": 0.0}, "sampling.rm_confidence.min_factor"),
+    ({"min_factor": 1.5}, "sampling.rm_confidence.min_factor"),
+    ({"min_factor": "high"}, "sampling.rm_confidence.min_factor"),
+    ({"margin": 1}, "sampling.rm_confidence.margin"),
+])
+def test_bad_rm_confidence_is_refused_naming_the_field(table, field):
+    with pytest.raises(InvalidArgument) as e:
+        JobSpec.from_dict({"domains": ["toy.copy"], "sampling": {"rm_confidence": table}}).validate()
+    assert e.value.field == field

@@ -286,8 +286,8 @@ def cmd_eval(args) -> int:
         raise ValueError(f"--temperature: must be >= 0, and > 0 for {samples} samples per problem, got {temperature}")
     if args.engine:
         os.environ["TEMPER_INFERENCE_ENGINE"] = args.engine
-    # code domains, and datasets scored by the code verifier, run their tests in the sandbox
-    code = any(d.startswith("code.") or str(domain_config.get(d, {}).get("verifier", "")).startswith("code.")
+    # code domains, and datasets scored by the code or tests-folder verifier, run their tests in the sandbox
+    code = any(d.startswith("code.") or str(domain_config.get(d, {}).get("verifier", "")).startswith(("code.", "tests."))
                for d in domains)
     services = ["inference", "reward"] + (["sandbox"] if code else [])
     with tempfile.TemporaryDirectory(prefix="temper-eval-") as home:

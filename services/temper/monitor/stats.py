@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from temper.monitor.detectors import StepStats
 from temper.reward.verifiers.extract import code_block
+from temper.reward.verifiers.suites import CASE_PREFIX
 from temper.v1 import common_pb2, sandbox_pb2
 
 MODEL_COMPONENTS = ("rm", "prm")
@@ -314,7 +315,10 @@ def summarize(group: common_pb2.RolloutGroup) -> GroupSummary:
             s.example("gibberish", tid)
         if r.total > 0:
             s.example("rewarded", tid)
-        comps = [c for c in r.components if c.status == common_pb2.REWARD_STATUS_OK]
+        # a tests-folder domain's per-test records (tests.case:<id>) are details of tests.pass_fraction: one
+        # series per test of every problem would swamp the view, and they are no separate verifier
+        comps = [c for c in r.components if c.status == common_pb2.REWARD_STATUS_OK
+                 and not c.name.startswith(CASE_PREFIX)]
         for c in comps:
             s.add(f"component.{c.name}", c.value)
         fmt = _mean([c.value for c in comps if c.name.startswith("format.")])

@@ -61,7 +61,7 @@ from temper.scheduler.evaluation import (
     draw_training_task,
     evaluate,
 )
-from temper.scheduler.sampling import SamplingConfig, SamplingPolicy, resolved_plan
+from temper.scheduler.sampling import SamplingConfig, SamplingPolicy, group_rm_confidence, resolved_plan
 from temper.v1 import common_pb2, inference_pb2, scheduler_pb2
 
 _log = get_logger(component="scheduler")
@@ -529,11 +529,13 @@ class Job:
             level = int(group.task.metadata.get(DIFFICULTY_KEY, "0"))
         except ValueError:
             level = -1  # never counts toward a level's window
-        return {"domain": group.task.domain, "level": level, "prompt": group.task.prompt, "rewards": rewards}
+        return {"domain": group.task.domain, "level": level, "prompt": group.task.prompt, "rewards": rewards,
+                "rm_confidence": group_rm_confidence(group.trajectories)}
 
     def _learn(self, outcome: dict) -> None:
         """(Under ``self._lock``.)"""
-        self.sampling.observe(outcome["domain"], outcome["level"], outcome["prompt"], outcome["rewards"])
+        self.sampling.observe(outcome["domain"], outcome["level"], outcome["prompt"], outcome["rewards"],
+                              outcome.get("rm_confidence"))  # absent from outcomes journaled before it was kept
         self.groups_scored += 1
 
     def _observe(self, group: common_pb2.RolloutGroup) -> list[float] | None:

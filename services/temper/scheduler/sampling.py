@@ -19,6 +19,14 @@ The ``[job.sampling]`` table turns policies on; they combine into one draw proba
 - ``loss_weighting``: each group carries a loss weight (``RolloutGroup.loss_weight``, multiplied into the
   learner's policy loss): fixed per-domain ``weights`` times ``1 + lagging * (mean pass rate - the
   domain's)``, clipped to [min_weight, max_weight], so lagging domains get more gradient;
+- ``rm_confidence``: where a domain's reward comes from a learned reward model (its groups carry an ``rm``
+  component), its draw weight and its groups' loss weight are multiplied by
+  ``min_factor + (1 - min_factor) * c_d``, c_d the RM's mean confidence over the domain's last ``window``
+  groups (``group_rm_confidence``; ``rm`` or ``prm`` scores in [0, 1]): per trajectory, its agreement with
+  the verifiers where the trajectory has both, ``1 - |rm - mean verifier value|``, else its score margin,
+  ``|2 * rm - 1|`` (how far from undecided). A domain without RM scores (or none measured yet) keeps
+  factor 1, so an RM that disagrees with its verifier moves weight and gradient to where the reward can
+  be trusted;
 - ``dynamic_sampling`` (DAPO): a group whose rewards are all equal carries no GRPO signal; it is counted
   (``zero_variance_groups``) and not published, and the step draws another prompt instead, up to
   ``max_refill_ratio * prompts_per_step`` extra draws per step (then the step is filled with what it has:
@@ -38,8 +46,11 @@ from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field, fields
 
 from temper import tasks
+from temper.reward.settings import MODEL_COMPONENTS
+from temper.reward.verifiers.suites import CASE_PREFIX
 from temper.runtime.errors import InvalidArgument, require
 from temper.scheduler.evaluation import prompt_key
+from temper.v1 import common_pb2
 
 MAX_WINDOW = 100_000
 PROMPT_MEMORY = 100_000  # prompts whose pass rate the difficulty filter remembers (least recently seen forgotten)
@@ -85,6 +96,12 @@ class LossWeightingConfig:
 
 
 @dataclass
+class RMConfidenceConfig:
+    window: int = 16  # a domain's recent groups behind its RM confidence
+    min_factor: float = 0.1  # the factor of a domain whose RM is never right (confidence 0); in (0, 1]
+
+
+@dataclass
 class SamplingConfig:
     weights: dict[str, float] = field(default_factory=dict)
     pass_threshold: float = 1.0
@@ -93,11 +110,12 @@ class SamplingConfig:
     adaptive: AdaptiveConfig | None = None
     dynamic_sampling: DynamicSamplingConfig | None = None
     loss_weighting: LossWeightingConfig | None = None
+    rm_confidence: RMConfidenceConfig | None = None
 
     @property
     def needs_outcomes(self) -> bool:
         return any(p is not None for p in (self.curriculum, self.difficulty_filter, self.adaptive,
-                                            self.dynamic_sampling))
+                                            self.dynamic_sampling, self.rm_confidence))
 
     @classmethod
     def from_dict(cls, table: dict | None, prefix: str = "sampling") -> SamplingConfig:
@@ -117,7 +135,8 @@ class SamplingConfig:
                 out.pass_threshold = float(value)
             else:
                 sub = {"curriculum": CurriculumConfig, "difficulty_filter": FilterConfig, "adaptive": AdaptiveConfig,
-                       "dynamic_sampling": DynamicSamplingConfig, "loss_weighting": LossWeightingConfig}[key]
+                       "dynamic_sampling": DynamicSamplingConfig, "loss_weighting": LossWeightingConfig,
+                       "rm_confidence": RMConfidenceConfig}[key]
                 setattr(out, key, _sub_table(sub, value, f))
         return out
 
@@ -180,6 +199,10 @@ class SamplingConfig:
             require(math.isfinite(lw.lagging) and lw.lagging >= 0, f"{p}.lagging", f"must be >= 0, got {lw.lagging}")
             require(0 < lw.min_weight <= 1 <= lw.max_weight and math.isfinite(lw.max_weight), f"{p}.min_weight",
                     f"need 0 < min_weight <= 1 <= max_weight, got {lw.min_weight}, {lw.max_weight}")
+        if (rc := self.rm_confidence) is not None:
+            _window(rc.window, f"{prefix}.rm_confidence.window")
+            require(0 < rc.min_factor <= 1, f"{prefix}.rm_confidence.min_factor",
+                    f"must be in (0, 1] (a factor 0 would starve a domain), got {rc.min_factor}")
         if (ds := self.dynamic_sampling) is not None:
             require(math.isfinite(ds.max_refill_ratio) and 0 <= ds.max_refill_ratio <= 100,
                     f"{prefix}.dynamic_sampling.max_refill_ratio", f"must be in [0, 100], got {ds.max_refill_ratio}")
@@ -274,6 +297,7 @@ class DomainStats:
     level_changes: int = 0
     recent_pass: deque = field(default_factory=deque)  # per group: fraction passed
     recent_reward: deque = field(default_factory=deque)  # per group: mean reward
+    recent_rm_confidence: deque = field(default_factory=deque)  # per group with RM scores: their confidence
     level_passes: int = 0  # over the groups drawn at the current level since it was set
     level_trajectories: int = 0
     level_groups: int = 0
@@ -288,8 +312,9 @@ class SamplingPolicy:
         self.domain_config = dict(domain_config or {})
         self.ladders = config.ladders(self.domains, self.domain_config)
         keep = max([16] + [p.window for p in (config.difficulty_filter, config.adaptive, config.curriculum) if p])
-        self.stats = {d: DomainStats(recent_pass=deque(maxlen=keep), recent_reward=deque(maxlen=keep))
-                      for d in self.domains}
+        rm_keep = config.rm_confidence.window if config.rm_confidence else 16
+        self.stats = {d: DomainStats(recent_pass=deque(maxlen=keep), recent_reward=deque(maxlen=keep),
+                                     recent_rm_confidence=deque(maxlen=rm_keep)) for d in self.domains}
         if config.curriculum is not None:
             for d, ladder in self.ladders.items():
                 self.stats[d].level = min(config.curriculum.start_level, len(ladder) - 1)
@@ -321,6 +346,8 @@ class SamplingPolicy:
             if known and max(known) > 0:
                 top = max(known)
                 q = [w * (top if p is None else p) for w, p in zip(q, progress)]
+        if c.rm_confidence is not None:
+            q = [w * self.rm_factor(d) for w, d in zip(q, self.domains)]
         total = sum(q)
         if total <= 0:  # every factor zero (e.g. progress zero where weight is): uniform over the base weights
             q = [c.weights.get(d, 1.0) for d in self.domains]
@@ -365,12 +392,22 @@ class SamplingPolicy:
         [min_weight, max_weight]; 1 without ``loss_weighting`` (and for a domain not measured yet)."""
         lw = self.config.loss_weighting
         if lw is None:
-            return 1.0
+            return self.rm_factor(domain)
         w = lw.weights.get(domain, 1.0)
         measured = [self.pass_rate(d) for d in self.domains if self.stats[d].recent_pass]
         if lw.lagging > 0 and measured and self.stats[domain].recent_pass:
             w *= 1 + lw.lagging * (sum(measured) / len(measured) - self.pass_rate(domain))
-        return min(lw.max_weight, max(lw.min_weight, w))
+        return min(lw.max_weight, max(lw.min_weight, w)) * self.rm_factor(domain)
+
+    def rm_confidence(self, domain: str) -> float | None:
+        """The reward model's mean confidence over the domain's recent groups with RM scores; None: none yet."""
+        recent = self.stats[domain].recent_rm_confidence
+        return sum(recent) / len(recent) if recent else None
+
+    def rm_factor(self, domain: str) -> float:
+        """``min_factor + (1 - min_factor) * rm_confidence``; 1 without ``rm_confidence`` or RM scores."""
+        rc, c = self.config.rm_confidence, self.rm_confidence(domain)
+        return 1.0 if rc is None or c is None else rc.min_factor + (1 - rc.min_factor) * c
 
     # --- learning ------------------------------------------------------------------------------------
 
@@ -378,11 +415,15 @@ class SamplingPolicy:
         """Whether a group carries a GRPO signal (its rewards differ); dynamic sampling drops the rest."""
         return len(rewards) > 1 and max(rewards) - min(rewards) > 1e-9
 
-    def observe(self, domain: str, level: int, prompt: str, rewards: list[float]) -> None:
-        """One scored group of ``domain``, drawn at difficulty ``level``, with its trajectories' rewards."""
+    def observe(self, domain: str, level: int, prompt: str, rewards: list[float],
+                rm_confidence: float | None = None) -> None:
+        """One scored group of ``domain``, drawn at difficulty ``level``, with its trajectories' rewards and,
+        where its reward came from a reward model, that model's confidence in it (``group_rm_confidence``)."""
         s = self.stats.get(domain)
         if s is None or not rewards:
             return
+        if rm_confidence is not None:
+            s.recent_rm_confidence.append(min(1.0, max(0.0, float(rm_confidence))))
         passed = sum(1 for r in rewards if r >= self.config.pass_threshold - 1e-9)
         s.groups += 1
         s.trajectories += len(rewards)
@@ -471,13 +512,15 @@ class SamplingPolicy:
                         "max_difficulty": len(self.ladders[d]) - 1 if d in self.ladders else 0,
                         "difficulty_options": self.options(d) or {}, "level_changes": s.level_changes,
                         "zero_variance_groups": s.zero_variance_groups, "filtered_prompts": s.filtered_prompts,
-                        "learning_progress": -1.0 if lp is None else lp, "loss_weight": self.loss_weight(d)})
+                        "learning_progress": -1.0 if lp is None else lp, "loss_weight": self.loss_weight(d),
+                        "rm_confidence": -1.0 if self.rm_confidence(d) is None else self.rm_confidence(d)})
         return out
 
     def state(self) -> dict:
         """The whole learned state, JSON-ready (what a checkpoint of the job holds)."""
         return {"domains": {d: {**{k: v for k, v in asdict(s).items() if not isinstance(v, deque)},
-                                "recent_pass": list(s.recent_pass), "recent_reward": list(s.recent_reward)}
+                                "recent_pass": list(s.recent_pass), "recent_reward": list(s.recent_reward),
+                                "recent_rm_confidence": list(s.recent_rm_confidence)}
                             for d, s in self.stats.items()},
                 "prompts": [[k, *v] for k, v in self._prompts.items()]}
 
@@ -487,7 +530,7 @@ class SamplingPolicy:
             if s is None:
                 raise InvalidArgument(f"saved state names domain {d!r}, not one of the job's", field="state.domains")
             for k, v in saved.items():
-                if k in ("recent_pass", "recent_reward"):
+                if k in ("recent_pass", "recent_reward", "recent_rm_confidence"):
                     getattr(s, k).clear()
                     getattr(s, k).extend(v)
                 else:
@@ -508,3 +551,22 @@ def resolved_plan(config: SamplingConfig, domains: list[str], domain_config: dic
                          "difficulty": policy.stats[d].level, "levels": len(policy.ladders.get(d, [])),
                          "options": policy.options(d) or {}, "ladder": policy.ladders.get(d, [])}
                         for d in domains]}
+
+
+def group_rm_confidence(trajectories) -> float | None:
+    """A learned reward model's confidence in one scored group (see the module doc): over the trajectories
+    with an OK model score (``rm``, or ``prm``; both: their mean), the mean of ``1 - |score - mean verifier
+    value|`` where the trajectory has verifier components (format checks and per-test records are not
+    verifiers), else of ``|2 * score - 1|``; None when no trajectory has a model score. ``trajectories``:
+    protobuf Trajectories, their reward components read."""
+    out = []
+    for t in trajectories:
+        ok = [c for c in t.reward.components if c.status == common_pb2.REWARD_STATUS_OK]
+        model = [min(1.0, max(0.0, c.value)) for c in ok if c.name in ("rm", "prm")]
+        if not model:
+            continue
+        score = sum(model) / len(model)
+        verifiers = [min(1.0, max(0.0, c.value)) for c in ok if c.name not in MODEL_COMPONENTS
+                     and not c.name.startswith(("format.", CASE_PREFIX))]
+        out.append(1 - abs(score - sum(verifiers) / len(verifiers)) if verifiers else abs(2 * score - 1))
+    return sum(out) / len(out) if out else None

@@ -16,6 +16,10 @@ A data domain is declared by its table, ``[job.domain_config."data.NAME"]``:
   carries it as ``metadata["verifier"]``, so the reward service scores the row with it (the ``data``
   domain spec's model components, e.g. ``rm``, still apply).
 - ``instruction``: appended to every prompt after a blank line (e.g. "Put your final answer in \\boxed{}.").
+- A folder of code problems with their own tests (``verifier`` ``tests.pass_fraction`` / ``tests.all_pass``,
+  ``format`` ``tests``): ``path`` is the folder (or a JSONL of prompts and tests folders), a problem's tests
+  folder run by the sandbox is its reward; options ``tests_dir``, ``prompt_file``, ``solution_file``,
+  ``tests_field``, ``wall_seconds`` (see ``temper.tasks.suites``).
 - Held-out rows for the job's evaluation, at most one way: ``eval_fraction`` (this fraction of the distinct
   prompts: those with the smallest hash of their text, so the same ones in every run whatever the row
   order, and a prompt that repeats stays on one side), ``eval_path`` (a second file, the same format), or
@@ -39,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from temper.runtime.errors import InvalidArgument, require
+from temper.tasks import suites
 from temper.v1 import common_pb2
 
 PREFIX = "data."
@@ -74,6 +79,11 @@ class Dataset:
 
     def describe(self) -> str:
         held = f"{len(self.held_out)} held out ({self.held_out_from})" if self.held_out else "none held out"
+        if self.format == "tests":
+            n_tests = sum(len(json.loads(r.answer)["tests"]) for r in self.train + self.held_out)
+            return (f"tests-folder problems {self.path}: {len(self.train) + len(self.held_out)} problems with "
+                    f"{n_tests} tests, {len(self.train)} train, {held}; verifier {self.verifier} (each test a plain "
+                    "Python run under the sandbox's assertion harness: the sandbox's Python has no pytest)")
         answer = f", answer {self.answer_field!r}" if self.answer_field else ""
         return (f"dataset {self.path} ({self.format}): {len(self.train) + len(self.held_out)} rows, "
                 f"{len(self.train)} train, {held}; prompt {self.prompt_field!r}{answer}; verifier {self.verifier}")
@@ -168,17 +178,26 @@ def _stamp(path) -> str:
 @functools.lru_cache(maxsize=1024)  # a job may declare hundreds of datasets
 def _dataset(domain: str, field: str, key: str, stamp: str, eval_stamp: str) -> Dataset:
     config = json.loads(key)
+    folders = suites.uses_suites(config)  # a folder of problems with their own tests (temper.tasks.suites)
+    allowed = OPTIONS + suites.OPTIONS if folders else OPTIONS
     for option in sorted(config):
-        require(option in OPTIONS, f"{field}.{option}", f"unknown option; a data.* domain takes {list(OPTIONS)}")
-    for option in REQUIRED:
-        require(option in config, f"{field}.{option}", "required")
+        if option in suites.OPTIONS and not folders:
+            raise InvalidArgument(f"only for a tests-folder domain (verifier one of {list(suites.VERIFIERS)})",
+                                  field=f"{field}.{option}")
+        require(option in allowed, f"{field}.{option}", f"unknown option; a data.* domain takes {list(allowed)}")
     for option in sorted(set(OPTIONS) - {"eval_fraction"}):
         if option in config:
             require(isinstance(config[option], str), f"{field}.{option}", f"must be a string, got {config[option]!r}")
+    # the verifier first: it decides which other options are required
+    require("verifier" in config, f"{field}.verifier", "required")
     verifier = config["verifier"]
     needs_reference = _check_verifier(verifier, f"{field}.verifier")
+    for option in ("path",) if folders else REQUIRED:
+        require(option in config, f"{field}.{option}", "required")
+    if folders:
+        suites.check_options(config, field)
     answer_field = config.get("answer_field", "")
-    require(bool(answer_field) or not needs_reference, f"{field}.answer_field",
+    require(bool(answer_field) or not needs_reference or folders, f"{field}.answer_field",
             f"required: the verifier {verifier} checks a reference answer")
     fraction = config.get("eval_fraction", 0.0)
     require(isinstance(fraction, int | float) and not isinstance(fraction, bool) and 0 <= fraction < 1,
@@ -187,9 +206,9 @@ def _dataset(domain: str, field: str, key: str, stamp: str, eval_stamp: str) -> 
     require(len(ways) <= 1, f"{field}.{ways[-1] if ways else 'eval_fraction'}",
             f"held-out rows come one way only; {' and '.join(ways)} are both set")
     fmt = config.get("format", "auto")
-    require(fmt in FORMATS, f"{field}.format", f"must be one of {list(FORMATS)}, got {fmt!r}")
+    require(fmt in FORMATS or folders, f"{field}.format", f"must be one of {list(FORMATS)}, got {fmt!r}")
     path = _existing(config["path"], f"{field}.path")
-    fmt = _format(path, fmt, f"{field}.format")
+    fmt = "tests" if folders else _format(path, fmt, f"{field}.format")
     require(fmt == "hf" or not (config.get("split") or config.get("eval_split")), f"{field}.split",
             "split / eval_split name the splits of a datasets folder (format hf)")
     eval_path = _existing(config["eval_path"], f"{field}.eval_path") if config.get("eval_path") else None
@@ -240,14 +259,18 @@ def _read_dataset(config: dict, field: str, path: Path, eval_path: Path | None, 
                   needs_reference: bool) -> Dataset:
     from temper.reward.verifiers.registry import verifier_of
 
-    prompt_field, answer_field = config["prompt_field"], config.get("answer_field") or ""
+    prompt_field, answer_field = config.get("prompt_field") or "", config.get("answer_field") or ""
     verifier, instruction = config["verifier"], config.get("instruction") or ""
-    suites = verifier_of(verifier).name == "code"
+    code_suites = verifier_of(verifier).name == "code"
 
     def rows_of(p: Path, split: str, what: str) -> list[Row]:
+        if fmt == "tests":
+            said = config.get("instruction", suites.instruction(config))  # instruction = "" appends nothing
+            return [Row(f"{prompt}\n\n{said}" if said else prompt, suite, where)
+                    for prompt, suite, where in suites.problems(p, config, field, what)]
         raw = list(_read(p, fmt, split, f"{field}.{what}"))
         require(len(raw) > 0, f"{field}.{what}", f"{p}{f' split {split}' if split else ''} has no rows")
-        return [_row(values, where, p, prompt_field, answer_field, suites, instruction, needs_reference, field)
+        return [_row(values, where, p, prompt_field, answer_field, code_suites, instruction, needs_reference, field)
                 for values, where in raw]
 
     rows = rows_of(path, config.get("split") or "", "path")
@@ -270,7 +293,7 @@ def _read_dataset(config: dict, field: str, path: Path, eval_path: Path | None, 
     return Dataset(str(path), fmt, tuple(rows), tuple(held_out), held_out_from, verifier, prompt_field, answer_field)
 
 
-def _row(values, where: str, path: Path, prompt_field: str, answer_field: str, suites: bool, instruction: str,
+def _row(values, where: str, path: Path, prompt_field: str, answer_field: str, code_suites: bool, instruction: str,
          needs_reference: bool, field: str) -> Row:
     if not isinstance(values, dict):
         raise InvalidArgument(f"{path} {where}: a row must be an object of fields, got {type(values).__name__}",
@@ -292,7 +315,7 @@ def _row(values, where: str, path: Path, prompt_field: str, answer_field: str, s
         if value is None:
             raise InvalidArgument(f"{path} {where} has no field {answer_field!r} (its fields: {sorted(values)})",
                                   field=f"{field}.answer_field")
-        answer = _answer(value, suites, f"{path} {where}", f"{field}.answer_field")
+        answer = _answer(value, code_suites, f"{path} {where}", f"{field}.answer_field")
         if needs_reference and not answer.strip():
             raise InvalidArgument(f"{path} {where}: {answer_field!r} is empty", field=f"{field}.answer_field")
     return Row(prompt, answer, where)
@@ -302,9 +325,9 @@ def _scalar(value) -> bool:
     return isinstance(value, str | int | float) and not isinstance(value, bool)
 
 
-def _answer(value, suites: bool, at: str, field: str) -> str:
+def _answer(value, code_suite: bool, at: str, field: str) -> str:
     """The reference answer as the verifier reads it: the text, or for the code verifier its JSON test suite."""
-    if suites:
+    if code_suite:
         from temper.reward.verifiers.code import parse_suite
 
         suite = {"tests": value} if isinstance(value, list) else value

@@ -195,7 +195,7 @@ class CodeVerifier(Verifier):
         for p in programs:
             if p is None or not p.strip():
                 why = "no code block" if p is None else "empty program"
-                checks.append([Check("code.pass_fraction", 0.0, why), Check("code.all_pass", 0.0, why)])
+                checks.append([Check(c, 0.0, why) for c in self.components])
             else:
                 checks.append(outcomes[hashlib.sha256(p.encode()).hexdigest()])
         return checks
@@ -207,10 +207,7 @@ class CodeVerifier(Verifier):
                    batched: bool = True) -> list[list[Check]]:
         """Checks per program: one RunTestsBatch call for all (``batched``) or one RunTests call for
         the single program; what failed for the sandbox's reasons is tried again, alone."""
-        requests = [sandbox_pb2.RunTestsRequest(
-            program=sandbox_pb2.ExecuteRequest(language=suite.language, limits=suite.limits,
-                                               files=[sandbox_pb2.SourceFile(content=p.encode())]),
-            tests=suite.tests, output_match=suite.output_match, origin=o) for p, o in zip(programs, origins)]
+        requests = [self._request(p, suite, o) for p, o in zip(programs, origins)]
         out: list[list[Check] | None] = [None] * len(programs)
         attempts = self.options.retries + 1
         backoff = self.options.retry_backoff_seconds
@@ -246,27 +243,35 @@ class CodeVerifier(Verifier):
                     why = f"SANDBOX_ERROR: {sandbox_errors[0]}"
                     _log.warning("sandbox failed a run; retrying", attempt=attempt + 1, attempts=attempts, error=why)
                 else:
-                    out[i] = self._checks(response, len(suite.tests))
+                    out[i] = self._checks(response, suite)
         if all(c is not None for c in out):
             return out
         message = f"sandbox unavailable after {attempts} attempt(s): {why}"
         if self.options.on_unavailable == "mark":
-            return [c if c is not None else [Check("code.pass_fraction", error=message),
-                                             Check("code.all_pass", error=message)] for c in out]
+            return [c if c is not None else [Check(n, error=message) for n in self.components] for c in out]
         raise SandboxUnavailable(message)
 
-    @staticmethod
-    def _checks(response: sandbox_pb2.RunTestsResponse, n_tests: int) -> list[Check]:
+    def _request(self, program: str, suite: TestSuite, origin: sandbox_pb2.ExecutionOrigin
+                 ) -> sandbox_pb2.RunTestsRequest:
+        """The RunTests request that runs ``program`` against ``suite``."""
+        return sandbox_pb2.RunTestsRequest(
+            program=sandbox_pb2.ExecuteRequest(language=suite.language, limits=suite.limits,
+                                               files=[sandbox_pb2.SourceFile(content=program.encode())]),
+            tests=suite.tests, output_match=suite.output_match, origin=origin)
+
+    def _checks(self, response: sandbox_pb2.RunTestsResponse, suite: TestSuite) -> list[Check]:
+        """The Checks of one program from the sandbox's answer (one per name in ``components``)."""
+        n_tests = len(suite.tests)
+        fraction, all_pass = self.components[:2]
         if response.compile_verdict not in (sandbox_pb2.VERDICT_OK, sandbox_pb2.VERDICT_UNSPECIFIED):
             first = (response.compile.stderr or b"").decode(errors="replace").strip().splitlines()[:1]
             detail = f"{_verdict(response.compile_verdict)}: {first[0] if first else response.compile.message}"
-            return [Check("code.pass_fraction", 0.0, short(detail)), Check("code.all_pass", 0.0, short(detail))]
+            return [Check(fraction, 0.0, short(detail)), Check(all_pass, 0.0, short(detail))]
         passed = sum(r.verdict == sandbox_pb2.VERDICT_OK for r in response.results)
         failed = [f"#{i} {_verdict(r.verdict)}" for i, r in enumerate(response.results)
                   if r.verdict != sandbox_pb2.VERDICT_OK]
         detail = f"{passed}/{n_tests} passed" + (f"; failed: {', '.join(failed[:5])}" if failed else "")
-        return [Check("code.pass_fraction", passed / n_tests, short(detail)),
-                Check("code.all_pass", float(passed == n_tests), short(detail))]
+        return [Check(fraction, passed / n_tests, short(detail)), Check(all_pass, float(passed == n_tests), short(detail))]
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

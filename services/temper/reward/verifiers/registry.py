@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from temper.reward.verifiers import VERIFIER_TYPES, Verifier
-from temper.reward.verifiers import basic, code, gym, math_answer  # noqa: F401 - registration
+from temper.reward.verifiers import basic, code, gym, math_answer, suites  # noqa: F401 - registration
 
 
 def component_names() -> list[str]:
