@@ -3,8 +3,9 @@
 #                SmolLM2-135M-Instruct converted to safetensors in .temper/models
 #   make run     the embedded default job (a real post-training loop on loopback)
 #   make test    lint, then the fast tier (no processes, no servers), then every other test
-#                (real broker, real gRPC, real processes, end to end); not the benchmarks
+#                (real broker, real gRPC, real processes) but the end-to-end job runs and the benchmarks
 #   make test-fast  the fast tier only (pytest -m fast; under two minutes)
+#   make test-e2e   the end-to-end runs of whole jobs (slow; not in make test; .ci/run runs them after it)
 #   make bench   benchmarks (not part of make test)
 #   make protos  regenerate clients/temper/v1 from protos/ (clients/build_protos.py, the one recipe)
 #   make lint    ruff; buf lint of protos/; buf breaking against protos/baseline.binpb
@@ -84,9 +85,13 @@ test: lint test-fast test-rest
 test-fast: setup
 	$(PYTEST) -m fast tests
 
-# everything else but the benchmarks (-m overrides pyproject's addopts)
+# everything else but the end-to-end runs and the benchmarks (-m overrides pyproject's addopts)
 test-rest: setup
-	$(PYTEST) -m "not fast and not bench" tests
+	$(PYTEST) -m "not fast and not bench and not e2e" tests
+
+# the end-to-end runs of the whole loop (temper run of shipped jobs, SmolLM2 included); .ci/run runs them
+test-e2e: setup
+	$(PYTEST) -m e2e tests
 
 bench: setup
 	$(VENV)/bin/pytest -q -s -m bench tests/bench
