@@ -129,7 +129,7 @@ def test_grow_labels_trains_and_evaluates_a_prm(tmp_path):
     assert ev["step_auc"] is None or 0.0 <= ev["step_auc"] <= 1.0
     assert len(result["train"]["loss_per_epoch"]) == 2
     assert (out / "prm" / "config.json").exists() and (out / "policy" / "config.json").exists()  # a PRM the service loads
-    assert "no RPC" in result["register"]
+    assert "temper reward load --prm" in result["register"]  # not asked to register: says how
 
 
 def test_grow_refuses_bad_options_before_anything_starts(tmp_path, capsys):
@@ -142,7 +142,8 @@ def test_grow_refuses_bad_options_before_anything_starts(tmp_path, capsys):
     (full / "x").write_text("")
     for args, field in [(["--base", str(tmp_path / "no-model")], "--base"),  # a PRM base that does not load
                         (["--heldout", "1.5"], "--heldout"), (["--epochs", "0"], "--epochs"),
-                        (["--budget", "0"], "--budget"), (["--out", str(full)], "--out")]:
+                        (["--budget", "0"], "--budget"), (["--out", str(full)], "--out"),
+                        (["--register"], "--register")]:  # no stack in --home to register with
         out = [] if args[0] == "--out" else ["--out", str(tmp_path / "grown")]
         rc = main(["--home", str(tmp_path / "home"), "--config", str(config), "prm", "grow", "--from", str(export),
                    *out, *args])

@@ -128,3 +128,21 @@ def test_concurrent_scores_see_the_old_or_the_new_model_never_a_mix(prms):
         assert prm_steps(scorer) == pytest.approx(expected["b"])
     finally:
         scorer.close()
+
+
+def test_load_later_lets_a_domain_weigh_a_model_that_comes_after_start(prms):
+    a, _, _ = prms
+    with pytest.raises(FailedPrecondition, match="load_later"):
+        Scorer(settings())  # without it, a domain that weighs prm needs a PRM at start
+    s = settings()
+    s.prm.load_later = True
+    scorer = Scorer(s)
+    try:
+        traj = scorer.score_group(GROUP).trajectories[0]
+        prm = component(traj, "prm")
+        assert prm.status == common_pb2.REWARD_STATUS_ERROR and "temper reward load --prm" in prm.error
+        assert traj.reward.status == common_pb2.REWARD_STATUS_ERROR and not traj.reward.step_rewards
+        assert scorer.load_model("prm", str(a)).version == 1
+        assert prm_steps(scorer) == pytest.approx(direct_steps(a))
+    finally:
+        scorer.close()

@@ -579,6 +579,9 @@ def build_parser() -> argparse.ArgumentParser:
     from temper.cli.prm import add_commands as add_prm_commands
 
     add_prm_commands(sub, command, common)
+    from temper.cli.reward import add_commands as add_reward_commands
+
+    add_reward_commands(sub, command, common)
     return parser
 
 

@@ -39,6 +39,7 @@ from temper.v1 import common_pb2
 
 _log = get_logger(component="reward")
 FLAG_VALUES = ("refuse", "true", "1", "yes")
+NOT_LOADED = "no {what} is loaded yet ([reward.{slot}] load_later): load one with `temper reward load --{slot} DIR`"
 
 
 @dataclass(frozen=True)
@@ -69,11 +70,13 @@ class Scorer:
         self.rm = rm
         self.prm = prm
         for name, spec in self.settings.domains.items():
-            if "rm" in spec.weights and rm is None:
-                raise FailedPrecondition(f"domains.{name} weighs 'rm' but no reward model is loaded (set [reward.rm] dir)")
-            if "prm" in spec.weights and prm is None:
+            if "rm" in spec.weights and rm is None and not self.settings.rm.load_later:
+                raise FailedPrecondition(f"domains.{name} weighs 'rm' but no reward model is loaded (set [reward.rm] "
+                                         "dir, or load_later = true to load one into the running service)")
+            if "prm" in spec.weights and prm is None and not self.settings.prm.load_later:
                 raise FailedPrecondition(f"domains.{name} weighs 'prm' but no process reward model is loaded "
-                                         "(set [reward.prm] dir)")
+                                         "(set [reward.prm] dir, or load_later = true to load one into the running "
+                                         "service)")
         if prm is not None and not prm.per_token:
             raise FailedPrecondition(f"{prm.model_dir} is a sequence classifier; a process reward model needs per-token "
                                      "scores (*ForTokenClassification)")
@@ -291,7 +294,10 @@ class Scorer:
             return [[Check(c, error=short(f"{v.name} failed: {type(e).__name__}: {e}")) for c in v.components]
                     for _ in completions]
 
-    def _submit_rm(self, rm: RewardModelEngine, prompt: str, completions: Sequence[str]) -> list[Future | Check]:
+    def _submit_rm(self, rm: RewardModelEngine | None, prompt: str, completions: Sequence[str]
+                   ) -> list[Future | Check]:
+        if rm is None:  # [reward.rm] load_later, and nothing loaded yet
+            return [Check("rm", error=NOT_LOADED.format(what="reward model", slot="rm"))] * len(completions)
         out: list[Future | Check] = []
         encoded, slots = [], []
         for i, c in enumerate(completions):
@@ -305,8 +311,10 @@ class Scorer:
             out[i] = f
         return out
 
-    def _submit_prm(self, prm: RewardModelEngine, prompt: str, completions: Sequence[str],
+    def _submit_prm(self, prm: RewardModelEngine | None, prompt: str, completions: Sequence[str],
                     steps_of: Sequence[Sequence[str]]) -> list[Future | Check]:
+        if prm is None:  # [reward.prm] load_later, and nothing loaded yet
+            return [Check("prm", error=NOT_LOADED.format(what="process reward model", slot="prm"))] * len(completions)
         out: list = []
         encoded, slots = [], []
         for i, (c, steps) in enumerate(zip(completions, steps_of)):
