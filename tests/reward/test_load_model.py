@@ -62,6 +62,8 @@ def test_swap_serves_the_new_model_and_a_failed_load_keeps_the_old(prms, tmp_pat
         for slot, folder, error, field in [
                 ("prm", str(tmp_path / "nope"), InvalidArgument, "model_dir"),
                 ("prm", "", InvalidArgument, "model_dir"),
+                ("prm", "x" * 5000, InvalidArgument, "model_dir"),      # a name too long for the file system
+                ("prm", "a\0b", InvalidArgument, "model_dir"),
                 ("value", str(b), InvalidArgument, "slot"),
                 ("prm", str(tmp_path / "empty"), FailedPrecondition, "model_dir"),     # no config.json
                 ("prm", str(tmp_path / "broken"), FailedPrecondition, "model_dir"),    # does not parse

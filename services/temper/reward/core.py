@@ -111,8 +111,12 @@ class Scorer:
         """
         require(slot in ("rm", "prm"), "slot", f"one of rm, prm; got {slot!r}")
         require(bool(model_dir.strip()), "model_dir", "required")
-        path = Path(model_dir).expanduser()
-        require(path.is_dir(), "model_dir", f"no such folder {model_dir}")
+        path = Path(model_dir)
+        try:
+            is_dir = path.is_dir()
+        except (OSError, ValueError) as e:  # a name too long, a NUL byte: not a path this host can open
+            raise InvalidArgument(f"not a usable path: {e}", field="model_dir") from None
+        require(is_dir, "model_dir", f"no such folder {model_dir}")
         options = self.settings.rm if slot == "rm" else self.settings.prm
         with self._load_lock:
             try:
