@@ -129,7 +129,7 @@ def test_grow_labels_trains_and_evaluates_a_prm(tmp_path):
     assert ev["step_auc"] is None or 0.0 <= ev["step_auc"] <= 1.0
     assert len(result["train"]["loss_per_epoch"]) == 2
     assert (out / "prm" / "config.json").exists() and (out / "policy" / "config.json").exists()  # a PRM the service loads
-    assert "no RPC" in result["register"]
+    assert "temper reward load --prm" in result["register"]  # not asked to register: says how
 
 
 def test_grow_refuses_bad_options_before_anything_starts(tmp_path, capsys):
@@ -142,10 +142,49 @@ def test_grow_refuses_bad_options_before_anything_starts(tmp_path, capsys):
     (full / "x").write_text("")
     for args, field in [(["--base", str(tmp_path / "no-model")], "--base"),  # a PRM base that does not load
                         (["--heldout", "1.5"], "--heldout"), (["--epochs", "0"], "--epochs"),
-                        (["--budget", "0"], "--budget"), (["--out", str(full)], "--out")]:
+                        (["--budget", "0"], "--budget"), (["--out", str(full)], "--out"),
+                        (["--register"], "--register")]:  # no stack in --home to register with
         out = [] if args[0] == "--out" else ["--out", str(tmp_path / "grown")]
         rc = main(["--home", str(tmp_path / "home"), "--config", str(config), "prm", "grow", "--from", str(export),
                    *out, *args])
         err = capsys.readouterr().err
         assert rc == 1 and field in err, (field, err)
         assert not (tmp_path / "grown").exists() and not (tmp_path / "home" / "state.json").exists()
+
+
+@pytest.mark.slow  # a running stack (broker, inference, reward), then the `temper` command grows a PRM into it
+def test_grow_registers_the_prm_with_the_running_reward_service(tmp_path):
+    from temper.client.sdk import RewardClient
+    from temper.runtime.launcher import Launcher
+    from tests.builders import rollout_group
+    from tests.reward.conftest import component
+
+    config = tmp_path / "job.toml"
+    # the toy domain weighs the PRM before one exists (weight 0: kept in every reward, not in the total)
+    config.write_text(CONFIG.replace("weights = { exact_answer = 1.0 }", "weights = { exact_answer = 1.0, prm = 0.0 }")
+                      + "[reward.prm]\nload_later = true\n")
+    export, out, home = tmp_path / "export.jsonl", tmp_path / "grown", tmp_path / "home"
+    write_export(export, 8)
+    launcher = Launcher(home=home, config=config)
+    state = launcher.up(["inference", "reward"], timeout=300)
+    try:
+        address = state.services["reward"].address
+        group = rollout_group("toy.copy", "4", ["4 7 2"], prompt="copy 4", tokens=1)
+        with RewardClient(address) as reward:
+            assert not reward.list_domains().process_reward_model_loaded
+            assert component(reward.score(group).trajectories[0], "prm").status == common_pb2.REWARD_STATUS_ERROR
+            r = _temper(home, "--config", str(config), "prm", "grow", "--from", str(export), "--out", str(out),
+                        "--k", "2", "--budget", "32", "--epochs", "1", "--register")
+            assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+            result = json.loads((out / "grow.json").read_text())
+            assert result["label"]["via"] == f"the stack in {home}"  # labelled through the running stack too
+            registered = result["register"]
+            assert (registered["version"], registered["replaced"], registered["address"]) == (1, None, address)
+            assert registered["model_dir"] == str((out / "prm").resolve()) == result["prm"]
+            listing = reward.list_domains()  # the same service process, no restart
+            assert listing.process_reward_model_loaded and listing.process_reward_model_dir == result["prm"]
+            prm = component(reward.score(group).trajectories[0], "prm")
+            assert prm.status == common_pb2.REWARD_STATUS_OK and prm.detail == "3 steps, min" and 0 <= prm.value <= 1
+        assert launcher.load().services["reward"].pid == state.services["reward"].pid
+    finally:
+        launcher.down()

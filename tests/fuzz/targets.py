@@ -68,6 +68,13 @@ def _weights(ctx: Context) -> list[list[inference_pb2.UpdateWeightsRequest]]:
     return [list(chunks_from_tensors(tensors, chunk_bytes=1 << 16))]
 
 
+def _tiny_prm(ctx: Context) -> Path:
+    from temper.reward.models import build_tiny_reward_model
+
+    folder = ctx.tmp / "fuzz-prm"
+    return folder if (folder / "config.json").exists() else build_tiny_reward_model(folder)
+
+
 def _job(**kw) -> scheduler_pb2.StartJobRequest:
     return scheduler_pb2.StartJobRequest(spec=scheduler_pb2.JobSpec(
         steps=1, prompts_per_step=1, group_size=2, temperature=1.0, max_tokens=2, domains=["toy.copy"], **kw))
@@ -95,6 +102,8 @@ SEEDS = {
     "RewardService.Score": lambda ctx: [reward_pb2.ScoreRequest(group=builders.rollout_group(
         "toy.copy", reference="1 2", texts=["1 2", "2"], group_id="fuzz-score"))],
     "RewardService.ListDomains": lambda ctx: [reward_pb2.ListDomainsRequest()],
+    "RewardService.LoadModel": lambda ctx: [reward_pb2.LoadModelRequest(slot=reward_pb2.MODEL_SLOT_PRM,
+                                                                        model_dir=str(_tiny_prm(ctx)))],
     "ReplayService.Insert": lambda ctx: [[replay_pb2.InsertRequest(table="default", group=builders.scored_group("fz-1")),
                                           replay_pb2.InsertRequest(table="default", groups=[builders.scored_group("fz-2")],
                                                                    priorities=[1.0])]],

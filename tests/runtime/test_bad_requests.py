@@ -70,7 +70,7 @@ def test_inference(stack):
     assert check_health(addr) == "SERVING"
 
 
-def test_reward(stack):
+def test_reward(stack, tmp_path):
     addr = clients(stack)["reward"]
     c = RewardClient(addr)
     IA = grpc.StatusCode.INVALID_ARGUMENT
@@ -82,6 +82,15 @@ def test_reward(stack):
     expect(IA, "group.task.reference_answer", c.score, g)
     g.task.reference_answer = "1"
     assert c.score(g).trajectories[0].reward.total == 1.0
+    # LoadModel: a slot, a folder that exists, a reward model of that slot; nothing loaded by a refusal
+    FP = grpc.StatusCode.FAILED_PRECONDITION
+    expect(IA, "slot", c.stub.LoadModel, reward_pb2.LoadModelRequest(model_dir=str(tmp_path)), timeout=10)
+    expect(IA, "model_dir", c.load_model, "", slot="prm")
+    expect(IA, "model_dir", c.load_model, str(tmp_path / "nope"), slot="prm")
+    expect(FP, "model_dir", c.load_model, str(tmp_path), slot="rm")  # a folder without a checkpoint
+    policy = stack.load().services["inference"].args
+    expect(FP, "model_dir", c.load_model, policy[policy.index("--model-dir") + 1], slot="prm")  # a causal LM
+    assert not c.list_domains().process_reward_model_loaded and not c.list_domains().reward_model_loaded
     assert check_health(addr) == "SERVING"
 
 
@@ -174,6 +183,7 @@ def test_undecodable_requests_are_invalid_argument_naming_the_request(stack):
     s = clients(stack)
     garbage = b"\x0a\xff\xff\xff\xff\x0f"
     for service, method in [("reward", "/temper.v1.RewardService/Score"),
+                            ("reward", "/temper.v1.RewardService/LoadModel"),
                             ("scheduler", "/temper.v1.SchedulerService/StartJob"),
                             ("monitor", "/temper.v1.MonitorService/ListAlerts"),
                             ("replay", "/temper.v1.ReplayService/Sample")]:

@@ -111,6 +111,16 @@ class RewardClient(_Client):
         """The domains scored, each with its component weights; the verifier components; which models are loaded."""
         return self.stub.ListDomains(reward_pb2.ListDomainsRequest(), timeout=self.timeout)
 
+    def load_model(self, model_dir: str, slot: str = "prm", timeout: float | None = None
+                   ) -> reward_pb2.LoadModelResponse:
+        """Load a reward model folder (on the service's host) into ``slot`` ("rm" | "prm") without a restart:
+        score calls switch to it once it has loaded; if it does not load, the old model keeps serving."""
+        slots = {"rm": reward_pb2.MODEL_SLOT_RM, "prm": reward_pb2.MODEL_SLOT_PRM}
+        if slot not in slots:
+            raise ValueError(f"slot: one of {sorted(slots)}, got {slot!r}")
+        return self.stub.LoadModel(reward_pb2.LoadModelRequest(slot=slots[slot], model_dir=str(model_dir)),
+                                   timeout=timeout or max(self.timeout, 300.0))
+
 
 class SandboxClient(_Client):
     """Run untrusted code in the sandbox service (gVisor). Limits left at 0 take the service's defaults."""

@@ -15,6 +15,9 @@
   temper sandbox test PROGRAM TESTFILE   run PROGRAM against the tests in TESTFILE
   temper prm label --from EXPORT --out LABELS --k 4 --budget N   Math-Shepherd step labels of exported
                             trajectories (rollouts from each step prefix, scored by the domain's verifier)
+  temper prm grow --from EXPORT --out DIR [--register]   label, train a PRM, evaluate it on held-out tasks;
+                            --register loads it into the running reward service
+  temper reward load --prm DIR (or --rm DIR)   load a reward model into the running reward service, no restart
 """
 
 from __future__ import annotations
@@ -582,6 +585,9 @@ def build_parser() -> argparse.ArgumentParser:
     from temper.cli.prm import add_commands as add_prm_commands
 
     add_prm_commands(sub, command, common)
+    from temper.cli.reward import add_commands as add_reward_commands
+
+    add_reward_commands(sub, command, common)
     return parser
 
 

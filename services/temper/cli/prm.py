@@ -4,6 +4,7 @@ inference and reward services (``temper.reward.step_labels`` has the method; thi
   python -m temper.reward.dataset --kafka-bootstrap HOST:PORT --out export.jsonl   # the job's scored stream
   temper prm label --from export.jsonl --out labels.jsonl --k 4 --budget 256 [--job NAME | --config FILE]
   python -m temper.reward.train --data labels.jsonl --base POLICY --out prm/        # the PRM trainer reads them
+  temper prm grow --from export.jsonl --out grown/ --register   # all of it, then LoadModel into the running stack
 
 Rollouts go to the inference service of ``--home``'s stack when it is up (the job's current policy),
 else to inference and reward services started for this command from the job's config (``--model DIR``:
@@ -188,7 +189,8 @@ def cmd_prm_label(args) -> int:
 
 
 def cmd_prm_grow(args) -> int:
-    """label -> split by task -> train (temper.reward.train) -> step accuracy / AUC on the held-out tasks."""
+    """label -> split by task -> train (temper.reward.train) -> step accuracy / AUC on the held-out tasks
+    -> with --register, LoadModel into the running reward service (``temper.cli.reward``)."""
     from temper.runtime.errors import require
 
     require(0 < args.heldout < 1, "--heldout", f"a fraction in (0, 1), got {args.heldout}")
@@ -199,6 +201,10 @@ def cmd_prm_grow(args) -> int:
         from temper.models import check_model_dir
 
         check_model_dir(Path(args.base), field="--base")
+    if args.register:  # the stack that gets the PRM must be up before any labelling starts
+        from temper.cli.reward import reward_address
+
+        register_at = reward_address(args, field="--register")
     summary, records = _label(args, out / "labels.jsonl", keep_policy=out / "policy")
     if len({r["task_id"] for r in records}) < 2:
         raise ValueError(f"labelled {len(records)} trajectories of fewer than 2 tasks: nothing to hold out "
@@ -223,13 +229,20 @@ def cmd_prm_grow(args) -> int:
                   "step_accuracy": step_accuracy(scores, labels), "step_auc": step_auc(scores, labels),
                   "positive_fraction": sum(y > 0.5 for y in labels) / len(labels) if labels else None}
     result = {"label": summary, "train": {"trajectories": len(train_set), "loss_per_epoch": trained["loss_per_epoch"]},
-              "eval": evaluation, "prm": str((out / "prm").resolve()),
-              # the reward service loads its PRM at start only: RewardService has no Register/Reload RPC
-              "register": "no RPC: set [reward.prm] dir to this folder (and weigh prm in a domain), then "
-                          "`temper restart reward`"}
+              "eval": evaluation, "prm": str((out / "prm").resolve())}
+    if args.register:
+        from temper.cli.reward import load_model
+
+        try:
+            result["register"] = load_model(register_at, out / "prm", "prm")
+        except (ValueError, RuntimeError) as e:  # the PRM and its evaluation stay on disk, with why it is not serving
+            result["register"] = {"error": str(e)}
+    else:
+        result["register"] = f"not registered: `temper reward load --prm {result['prm']}` loads it into the running " \
+                             "reward service (or grow with --register)"
     (out / "grow.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result))
-    return 0
+    return 1 if "error" in result["register"] else 0
 
 
 def add_commands(sub, command, common) -> None:
@@ -250,6 +263,10 @@ def add_commands(sub, command, common) -> None:
     gr.add_argument("--heldout", type=float, default=0.25, help="fraction of the labelled tasks held out")
     gr.add_argument("--epochs", type=int, default=3)
     gr.add_argument("--lr", type=float, default=1e-3)
+    gr.add_argument("--register", action="store_true", help="load the trained PRM into the reward service of the "
+                    "running stack (--home) without a restart, as `temper reward load --prm` does")
+    gr.add_argument("--address", default="", help="with --register: the reward service's HOST:PORT (default: the "
+                    "stack of --home)")
     _label_options(gr)
 
 

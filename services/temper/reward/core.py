@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 
 from temper.reward.composite import aggregate_steps, compose, length_penalty, refusal_matcher, safety_check
 from temper.reward.models import MalformedSteps, RewardModelEngine, SequenceTooLong
-from temper.reward.settings import MODEL_COMPONENTS, DomainSpec, RewardSettings
+from temper.reward.settings import MODEL_COMPONENTS, DomainSpec, ModelOptions, RewardSettings
 from temper.reward.steps import split_steps, step_end_chars
 from temper.reward.verifiers import Check, StepVerifier, Verifier, short
 from temper.reward.verifiers.code import RunTests, SandboxUnavailable, sandbox_runner
@@ -36,6 +39,25 @@ from temper.v1 import common_pb2
 
 _log = get_logger(component="reward")
 FLAG_VALUES = ("refuse", "true", "1", "yes")
+NOT_LOADED = "no {what} is loaded yet ([reward.{slot}] load_later): load one with `temper reward load --{slot} DIR`"
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """What ``Scorer.load_model`` put in a slot."""
+
+    slot: str
+    model_dir: Path
+    architecture: str
+    per_token: bool
+    meta: dict  # the folder's temper_reward.json
+    version: int  # models loaded into this slot since the Scorer was made (1 = the first)
+    replaced_dir: Path | None
+
+
+def model_engine(model_dir: str | Path, options: ModelOptions) -> RewardModelEngine:
+    return RewardModelEngine(model_dir, options.max_batch_size, options.max_wait_ms, options.max_tokens,
+                             options.threads)
 
 
 class Scorer:
@@ -48,29 +70,105 @@ class Scorer:
         self.rm = rm
         self.prm = prm
         for name, spec in self.settings.domains.items():
-            if "rm" in spec.weights and rm is None:
-                raise FailedPrecondition(f"domains.{name} weighs 'rm' but no reward model is loaded (set [reward.rm] dir)")
-            if "prm" in spec.weights and prm is None:
+            if "rm" in spec.weights and rm is None and not self.settings.rm.load_later:
+                raise FailedPrecondition(f"domains.{name} weighs 'rm' but no reward model is loaded (set [reward.rm] "
+                                         "dir, or load_later = true to load one into the running service)")
+            if "prm" in spec.weights and prm is None and not self.settings.prm.load_later:
                 raise FailedPrecondition(f"domains.{name} weighs 'prm' but no process reward model is loaded "
-                                         "(set [reward.prm] dir)")
+                                         "(set [reward.prm] dir, or load_later = true to load one into the running "
+                                         "service)")
         if prm is not None and not prm.per_token:
             raise FailedPrecondition(f"{prm.model_dir} is a sequence classifier; a process reward model needs per-token "
                                      "scores (*ForTokenClassification)")
         self._refusal = refusal_matcher(self.settings.safety.refusal_patterns)
         self._verifiers: dict[str, Verifier] = {}
         self._lock = threading.Lock()
+        # the model slots (see ``load_model``): swapped under _models_lock; an engine replaced while score
+        # calls still use it is closed by the last of them
+        self._models_lock = threading.Lock()
+        self._load_lock = threading.Lock()  # one load at a time (each holds a whole model in memory)
+        self._users: dict[int, int] = {}
+        self._retired: list[RewardModelEngine] = []
+        self.versions = {slot: int(engine is not None) for slot, engine in (("rm", rm), ("prm", prm))}
 
     @classmethod
     def from_settings(cls, settings: RewardSettings) -> Scorer:
         """Loads the configured reward models and connects to the configured sandbox."""
         def engine(options):
-            if not options.dir:
-                return None
-            return RewardModelEngine(options.dir, options.max_batch_size, options.max_wait_ms, options.max_tokens,
-                                     options.threads)
+            return model_engine(options.dir, options) if options.dir else None
 
         sandbox = sandbox_runner(settings.sandbox_address) if settings.sandbox_address else None
         return cls(settings, sandbox=sandbox, rm=engine(settings.rm), prm=engine(settings.prm))
+
+    # -- model slots ----------------------------------------------------------------------------
+    def load_model(self, slot: str, model_dir: str) -> LoadedModel:
+        """Load ``model_dir`` into ``slot`` ("rm" | "prm") and swap it in; what was loaded.
+
+        Invariant: a score call reads both slots once, at its start (``_using``), so it runs on the old
+        model or on the new one, never a mix; the new engine is complete before the swap, and if it does
+        not load (FailedPrecondition naming ``model_dir``) the old one keeps serving. The replaced
+        engine is closed once no score call uses it any more.
+        """
+        require(slot in ("rm", "prm"), "slot", f"one of rm, prm; got {slot!r}")
+        require(bool(model_dir.strip()), "model_dir", "required")
+        path = Path(model_dir)
+        try:
+            is_dir = path.is_dir()
+        except (OSError, ValueError) as e:  # a name too long, a NUL byte: not a path this host can open
+            raise InvalidArgument(f"not a usable path: {e}", field="model_dir") from None
+        require(is_dir, "model_dir", f"no such folder {model_dir}")
+        options = self.settings.rm if slot == "rm" else self.settings.prm
+        with self._load_lock:
+            try:
+                engine = model_engine(path.resolve(), options)
+            except FailedPrecondition as e:
+                raise FailedPrecondition(e.message, field="model_dir") from None
+            except Exception as e:  # noqa: BLE001 - a folder that does not load is the caller's folder, not a crash
+                raise FailedPrecondition(f"{path} does not load as a reward model: {type(e).__name__}: {e}",
+                                         field="model_dir") from None
+            if slot == "prm" and not engine.per_token:
+                engine.close()
+                raise FailedPrecondition(f"{path} is a sequence classifier; the prm slot needs per-token scores "
+                                         "(*ForTokenClassification)", field="model_dir")
+            with self._models_lock:
+                old = getattr(self, slot)
+                setattr(self, slot, engine)
+                self.versions[slot] += 1
+                version = self.versions[slot]
+                idle = old is not None and not self._users.get(id(old))
+                if old is not None and not idle:
+                    self._retired.append(old)
+        if idle:
+            old.close()
+        _log.info("model loaded", slot=slot, model_dir=str(engine.model_dir), version=version,
+                  replaced=str(old.model_dir) if old is not None else "")
+        return LoadedModel(slot, engine.model_dir, engine.architecture, engine.per_token, engine.meta, version,
+                           old.model_dir if old is not None else None)
+
+    @contextmanager
+    def _using(self) -> Iterator[tuple[RewardModelEngine | None, RewardModelEngine | None]]:
+        """The (rm, prm) engines as they are now, kept open until the caller is done with them."""
+        with self._models_lock:
+            engines = (self.rm, self.prm)
+            for e in engines:
+                if e is not None:
+                    self._users[id(e)] = self._users.get(id(e), 0) + 1
+        try:
+            yield engines
+        finally:
+            done = []
+            with self._models_lock:
+                for e in engines:
+                    if e is None:
+                        continue
+                    self._users[id(e)] -= 1
+                    if not self._users[id(e)]:
+                        del self._users[id(e)]
+                        if any(e is r for r in self._retired):
+                            self._retired = [r for r in self._retired if r is not e]
+                            done.append(e)
+            for e in done:
+                e.close()
 
     def verifier(self, name: str) -> Verifier:
         with self._lock:
@@ -87,7 +185,9 @@ class Scorer:
             for v in {id(v): v for v in self._verifiers.values()}.values():
                 v.close()
             self._verifiers.clear()
-        for engine in (self.rm, self.prm):
+        with self._models_lock:
+            engines, self._retired = [self.rm, self.prm, *self._retired], []
+        for engine in engines:
             if engine is not None:
                 engine.close()
 
@@ -110,6 +210,11 @@ class Scorer:
     # -- scoring --------------------------------------------------------------------------------
     def score_group(self, group: common_pb2.RolloutGroup) -> common_pb2.RolloutGroup:
         """A copy of ``group`` with ``reward`` set on every trajectory."""
+        with self._using() as (rm, prm):
+            return self._score_group(group, rm, prm)
+
+    def _score_group(self, group: common_pb2.RolloutGroup, rm: RewardModelEngine | None,
+                     prm: RewardModelEngine | None) -> common_pb2.RolloutGroup:
         s = self.settings
         task = group.task
         require(bool(group.group_id), "group.group_id", "required")
@@ -152,8 +257,8 @@ class Scorer:
         steps_of = [split_steps(c, delimiter) for c in completions]
         ends_of = [[min(e, len(t.completion_text)) for e in step_end_chars(steps, len(prefix))]
                    for steps, t in zip(steps_of, group.trajectories)]
-        rm_futures = self._submit_rm(task.prompt, completions) if "rm" in weights else None
-        prm_futures = self._submit_prm(task.prompt, completions, steps_of) if "prm" in weights else None
+        rm_futures = self._submit_rm(rm, task.prompt, completions) if "rm" in weights else None
+        prm_futures = self._submit_prm(prm, task.prompt, completions, steps_of) if "prm" in weights else None
 
         checks: list[list[Check]] = [[] for _ in completions]
         for name, v in verifiers.items():
@@ -193,22 +298,27 @@ class Scorer:
             return [[Check(c, error=short(f"{v.name} failed: {type(e).__name__}: {e}")) for c in v.components]
                     for _ in completions]
 
-    def _submit_rm(self, prompt: str, completions: Sequence[str]) -> list[Future | Check]:
+    def _submit_rm(self, rm: RewardModelEngine | None, prompt: str, completions: Sequence[str]
+                   ) -> list[Future | Check]:
+        if rm is None:  # [reward.rm] load_later, and nothing loaded yet
+            return [Check("rm", error=NOT_LOADED.format(what="reward model", slot="rm"))] * len(completions)
         out: list[Future | Check] = []
         encoded, slots = [], []
         for i, c in enumerate(completions):
             try:
-                encoded.append(self.rm.encode(prompt, [c], allow_empty=True))
+                encoded.append(rm.encode(prompt, [c], allow_empty=True))
                 slots.append(i)
                 out.append(None)  # type: ignore[arg-type]
             except (SequenceTooLong, MalformedSteps) as e:
                 out.append(Check("rm", error=short(str(e))))
-        for i, f in zip(slots, self.rm.submit(encoded) if encoded else []):
+        for i, f in zip(slots, rm.submit(encoded) if encoded else []):
             out[i] = f
         return out
 
-    def _submit_prm(self, prompt: str, completions: Sequence[str], steps_of: Sequence[Sequence[str]]
-                    ) -> list[Future | Check]:
+    def _submit_prm(self, prm: RewardModelEngine | None, prompt: str, completions: Sequence[str],
+                    steps_of: Sequence[Sequence[str]]) -> list[Future | Check]:
+        if prm is None:  # [reward.prm] load_later, and nothing loaded yet
+            return [Check("prm", error=NOT_LOADED.format(what="process reward model", slot="prm"))] * len(completions)
         out: list = []
         encoded, slots = [], []
         for i, (c, steps) in enumerate(zip(completions, steps_of)):
@@ -217,12 +327,12 @@ class Scorer:
                     raise MalformedSteps("no steps (empty completion)")
                 if len(steps) > self.settings.prm_max_steps:
                     raise MalformedSteps(f"{len(steps)} steps > prm_max_steps {self.settings.prm_max_steps}")
-                encoded.append(self.prm.encode(prompt, steps))
+                encoded.append(prm.encode(prompt, steps))
                 slots.append(i)
                 out.append(None)
             except (SequenceTooLong, MalformedSteps) as e:
                 out.append(Check("prm", error=short(f"malformed steps: {e}" if isinstance(e, MalformedSteps) else str(e))))
-        for i, f in zip(slots, self.prm.submit(encoded) if encoded else []):
+        for i, f in zip(slots, prm.submit(encoded) if encoded else []):
             out[i] = f
         return out
 

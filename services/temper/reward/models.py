@@ -214,7 +214,7 @@ class RewardModelEngine:
         if threads:
             torch.set_num_threads(threads)
         config = AutoConfig.from_pretrained(self.model_dir)
-        arch = (config.architectures or [""])[0]
+        arch = self.architecture = (config.architectures or [""])[0]
         self.per_token = not arch.endswith("ForSequenceClassification")
         if self.per_token and not arch.endswith("ForTokenClassification"):
             raise FailedPrecondition(f"{self.model_dir}: architecture {arch!r} is not a reward model "

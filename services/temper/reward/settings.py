@@ -120,6 +120,10 @@ class ModelOptions(_Strict):
     max_wait_ms: float = Field(default=5.0, ge=0)  # how long a batch waits for more requests after its first
     max_tokens: int = Field(default=2048, ge=8)  # per sequence; longer: an ERROR component naming the length
     threads: int = Field(default=0, ge=0)  # torch intra-op threads; 0: torch's default
+    # true: a domain may weigh this model while none is loaded (dir = ""), because one is loaded later into
+    # the running service (LoadModel: `temper reward load`, `temper prm grow --register`); until then its
+    # component is an ERROR saying so (never a made-up score), and the scheduler refuses such a domain
+    load_later: bool = False
 
 
 class RewardSettings(_Strict):
