@@ -346,7 +346,8 @@ def check_topology(objs: list[dict], parsed: dict, report: Report) -> None:
         for i, a in enumerate(learner.inference_addresses):
             address("temper.toml [learner]", f"inference_addresses[{i}]", a)
         hpa = by.get(("HorizontalPodAutoscaler", "inference"))
-        if hpa and hpa["spec"]["maxReplicas"] > len(learner.inference_addresses):
+        fixed = not any(a.startswith("dns:") for a in learner.inference_addresses)  # dns:///: every pod there is
+        if hpa and fixed and hpa["spec"]["maxReplicas"] > len(learner.inference_addresses):
             report.add(hpa, "spec.maxReplicas", f"{hpa['spec']['maxReplicas']} replicas but the learner pushes weights "
                                                 f"to {len(learner.inference_addresses)} (inference_addresses)")
         if not learner.checkpoint_url:

@@ -97,8 +97,11 @@ class InferenceClient(_Client):
         return self.stub.UpdateWeights(iter(chunks), timeout=self.timeout)
 
     def policy_version(self) -> int:
-        return self.stub.GetPolicyVersion(inference_pb2.GetPolicyVersionRequest(),
-                                          timeout=self.timeout).policy_version
+        return self.info().policy_version
+
+    def info(self) -> inference_pb2.GetPolicyVersionResponse:
+        """The serving policy version, its lineage, the model and its vocabulary size."""
+        return self.stub.GetPolicyVersion(inference_pb2.GetPolicyVersionRequest(), timeout=self.timeout)
 
 
 class RewardClient(_Client):

@@ -507,7 +507,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
     command("down", cmd_down, "stop everything `up` started")
     rs = command("restart", cmd_restart, "stop one service and start it again on the same address")
-    rs.add_argument("service", choices=SERVICES)
+    rs.add_argument("service", help=f"one of {', '.join(SERVICES)}, or a replica's name from `temper status` "
+                                    "(inference-1)")
     rs.add_argument("--kill", action="store_true", help="SIGKILL instead of a graceful SIGTERM")
     run = command("run", cmd_run, "run a job (default: the shipped default job)")
     run.add_argument("--job", default=None, help="a shipped job by name (temper.jobs: " + ", ".join(_job_names())

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import Field
 
-from temper.runtime.config import ServiceConfig, model_dir
+from temper.runtime.config import ServiceConfig, model_dir, shared_dir
 
 
 class InferenceConfig(ServiceConfig):
@@ -14,6 +14,14 @@ class InferenceConfig(ServiceConfig):
 
     model_dir: str = model_dir(".temper/models/tiny", "folder of the HF causal LM to serve (the launcher: the job's "
                                                       "[model])")
+    replicas: int = Field(1, ge=1, description="how many inference servers the local launcher (`temper up`) starts, "
+                                               "each on its own port: the scheduler spreads generation over all, "
+                                               "the learner pushes weights to all (Kubernetes: the Deployment's "
+                                               "replicas behind a headless Service)")
+    policy_dir: str = shared_dir("policy", "", "folder where the learner keeps the current policy "
+                                 "(temper.inference.policy_store); at start-up its newest version is loaded before "
+                                 "the server reports SERVING, so a late or restarted replica serves the learner's "
+                                 "version, not the base weights; \"\": serve model_dir's weights (version 0)")
     engine: str = Field("vllm", description='"vllm" (real models) or "hf" (tiny models, fallback)')
     dtype: str = Field("auto", description='weights\' dtype in memory; "auto": as stored in the checkpoint')
     seed: int = Field(0, description="sampling RNG of requests without their own seed")

@@ -102,6 +102,7 @@ class GenerateJob:
 class UpdateJob:
     tensors: dict[str, torch.Tensor]
     new_version: int
+    lineage: str = ""
     future: Future = field(default_factory=Future)
 
 
@@ -121,6 +122,7 @@ class Engine(ABC):
     def __init__(self, model_dir: str | Path):
         self.model_dir = Path(model_dir)
         self.policy_version = 0
+        self.lineage = ""  # the learner run the serving version comes from ("": the base model)
         self.last_apply_seconds = 0.0
         self._ids = itertools.count()
         self._cond = threading.Condition()
@@ -198,10 +200,12 @@ class Engine(ABC):
             require(bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all()), f"tensor {name}",
                     "contains NaN or inf")
 
-    def apply_weights(self, tensors: dict[str, torch.Tensor], new_version: int = 0) -> int:
-        """Install ``tensors`` as one new policy version (0: current + 1); returns the version."""
+    def apply_weights(self, tensors: dict[str, torch.Tensor], new_version: int = 0, lineage: str = "") -> int:
+        """Install ``tensors`` as one new policy version (0: current + 1) of ``lineage`` (the learner run;
+        "": unnamed); returns the version. Versions of two lineages never mix on one engine: once it
+        serves a named lineage's version, an update of another is refused."""
         self.validate_weights(tensors)
-        job = UpdateJob(tensors, new_version)
+        job = UpdateJob(tensors, new_version, lineage)
         self._submit(job)
         return job.future.result()
 
@@ -303,6 +307,9 @@ class Engine(ABC):
 
     def _install(self, job: UpdateJob) -> None:
         try:
+            if job.lineage and self.lineage and job.lineage != self.lineage:
+                raise FailedPrecondition(f"this server serves version {self.policy_version} of lineage {self.lineage}, "
+                                         f"not {job.lineage}: another training run's weights", field="lineage")
             require(job.new_version == 0 or job.new_version > self.policy_version, "new_version",
                     f"{job.new_version} is not newer than the serving version {self.policy_version}")
             t0 = time.perf_counter()
@@ -314,6 +321,7 @@ class Engine(ABC):
                                          f"version {self.policy_version}", field="chunks") from e
             self._installed = job.tensors
             self.policy_version = job.new_version or self.policy_version + 1
+            self.lineage = job.lineage or self.lineage
             self.last_apply_seconds = time.perf_counter() - t0
             job.future.set_result(self.policy_version)
         except Exception as e:  # noqa: BLE001 - reported to the caller

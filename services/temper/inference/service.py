@@ -5,7 +5,10 @@ from __future__ import annotations
 from contextlib import ExitStack
 
 from temper.inference.config import InferenceConfig
+from temper.runtime.logs import get_logger
 from temper.runtime.service import Service
+
+_log = get_logger(component="inference")
 
 
 def engine_from_config(config: InferenceConfig):
@@ -33,6 +36,15 @@ class InferenceService(Service[InferenceConfig]):
         stack.callback(engine.close)
         Gauge("temper_inference_cancelled_generations", "Generate calls dropped because the caller's deadline passed "
               "(or it hung up) before they finished").set_function(lambda: engine.cancelled_jobs)
+        if self.config.policy_dir:  # the learner's current version, before the server reports SERVING
+            from temper.inference import policy_store
+
+            stored = policy_store.read(self.config.policy_dir)
+            if stored is not None:
+                tensors, version, lineage = stored
+                engine.apply_weights(tensors, version, lineage)
+                _log.info("loaded the learner's current policy", policy_version=version, lineage=lineage,
+                          policy_dir=self.config.policy_dir)
         self.servicer = InferenceServicer(engine, self.config.max_chunk_bytes, model_name=self.config.model_dir,
                                           max_sequences=self.config.max_sequences_per_request)
 

@@ -50,11 +50,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 
     def UpdateWeights(self, request_iterator, context):
         assembler = WeightAssembler.collect(request_iterator, self.max_chunk_bytes, self.max_update_bytes)
-        version = self.engine.apply_weights(assembler.tensors, assembler.new_version)
+        version = self.engine.apply_weights(assembler.tensors, assembler.new_version, assembler.lineage)
         return inference_pb2.UpdateWeightsResponse(policy_version=version, tensors=len(assembler.tensors),
                                                    bytes=assembler.bytes,
                                                    apply_seconds=self.engine.last_apply_seconds)
 
     def GetPolicyVersion(self, request, context):
         return inference_pb2.GetPolicyVersionResponse(policy_version=self.engine.policy_version, model=self.model_name,
-                                           engine=self.engine.name)
+                                                      engine=self.engine.name, vocab_size=self.engine.vocab_size,
+                                                      lineage=self.engine.lineage)

@@ -27,7 +27,8 @@ DIGESTS = {"xxh3_128": xxhash.xxh3_128_hexdigest, "sha256": lambda blob: hashlib
 
 
 def chunks_from_tensors(tensors: dict[str, torch.Tensor], chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                        new_version: int = 0, checksum: str = "xxh3_128") -> Iterator[inference_pb2.UpdateWeightsRequest]:
+                        new_version: int = 0, checksum: str = "xxh3_128",
+                        lineage: str = "") -> Iterator[inference_pb2.UpdateWeightsRequest]:
     digest_of = DIGESTS[checksum]
     first = True
     for name, tensor in tensors.items():
@@ -37,7 +38,8 @@ def chunks_from_tensors(tensors: dict[str, torch.Tensor], chunk_bytes: int = DEF
             piece = blob[offset:offset + chunk_bytes]
             last = offset + len(piece) == len(blob)
             yield inference_pb2.UpdateWeightsRequest(tensor_name=name, data=piece, offset=offset, total_bytes=len(blob),
-                                            new_version=new_version if first else 0, **(digest if last else {}))
+                                            new_version=new_version if first else 0, lineage=lineage if first else "",
+                                            **(digest if last else {}))
             first = False
 
 
@@ -49,6 +51,7 @@ class WeightAssembler:
         self.max_total_bytes = max_total_bytes
         self.tensors: dict[str, torch.Tensor] = {}
         self.new_version = 0
+        self.lineage = ""
         self.bytes = 0
         self._name: str | None = None
         self._pieces: list[bytes] = []  # the current tensor's chunks, joined once at its end
@@ -63,6 +66,7 @@ class WeightAssembler:
                 f"{len(data)} bytes exceed the max chunk size {self.max_chunk_bytes}")
         if index == 0:
             self.new_version = chunk.new_version
+            self.lineage = chunk.lineage
         if self._name is None:  # a new tensor starts
             require(chunk.tensor_name not in self.tensors, f"tensor {chunk.tensor_name}", "sent twice")
             require(chunk.offset == 0, f"{field}.offset", "a tensor's first chunk must have offset 0")

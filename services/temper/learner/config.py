@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field
 
 from temper.learner.trainer import TrainerConfig
-from temper.runtime.config import ServiceConfig, address_of, from_job, model_dir
+from temper.runtime.config import ServiceConfig, address_of, from_job, model_dir, shared_dir
 
 
 class LearnerConfig(ServiceConfig, TrainerConfig):
@@ -19,7 +19,13 @@ class LearnerConfig(ServiceConfig, TrainerConfig):
                                                       "[model])")
     replay_address: str = address_of("replay", "127.0.0.1:50054", "host:port of the replay service")
     inference_addresses: list[str] = address_of("inference", ["127.0.0.1:50051"],
-                                                "inference replicas that get the weights after each step")
+                                                "inference replicas that get the weights after each step: "
+                                                "host:port entries, or targets re-resolved before every push "
+                                                "(dns:///inference-headless:50051 = every pod of a headless "
+                                                "Service; temper.client.discovery)")
+    policy_dir: str = shared_dir("policy", "", "folder where each version is stored before it is pushed, which an "
+                                 "inference replica that starts late or restarts loads before SERVING (the "
+                                 "inference's policy_dir; shared storage in a cluster); \"\": none")
     groups_per_step: int = from_job("prompts_per_step", 16, "GRPO groups per update (the launcher: "
                                                             "[job].prompts_per_step)")
     table: str = Field("default", description="the replay table the learner samples")

@@ -13,6 +13,14 @@ with ``max_policy_lag = L`` never returns a group more than L versions behind th
 Prioritized replay: each group's loss is weighted by its draw's importance weight (SampleInfo),
 and after each step the configured ``priority_signal`` of every trained group is sent back with
 UpdatePriorities (before the next Sample, so a group the step found worthless is not drawn again).
+
+Inference replicas (``replicas``: a fixed list of clients, or a ``temper.client.discovery.Replicas``
+re-resolved before every push, so a replica added later gets the policy): each version is written to
+``policy_dir`` (temper.inference.policy_store: what a replica starting late loads before SERVING) and
+then pushed to every replica, tagged with this run's ``lineage``. Before each Sample the learner checks
+every replica (``sync_replicas``): one behind the learner's version (it restarted, or missed a push)
+gets the current weights; one serving another lineage, or a vocabulary larger than the learner's
+model, is reported by address (log, ``LearnerState.replica_errors``) and never pushed to.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+import uuid
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +36,9 @@ from pathlib import Path
 import grpc
 from prometheus_client import Counter, Gauge
 
+from temper.client.discovery import Replicas
 from temper.client.sdk import InferenceClient, ReplayClient
+from temper.inference import policy_store
 from temper.inference.weights import chunks_from_tensors
 from temper.learner import checkpoint
 from temper.learner.batching import DROP_REASONS, DroppedGroup, batch_from_groups, screen_groups
@@ -71,6 +82,8 @@ class LearnerState:
     checkpoint_step: int = -1  # -1: none yet
     checkpoint_path: str = ""
     resumed: bool = False
+    replica_errors: dict[str, str] = field(default_factory=dict)  # address -> why it is not pushed to
+    replica_syncs: int = 0  # pushes to a replica found behind the learner (restarted, or missed a push)
     last: common_pb2.StepMetrics = field(default_factory=common_pb2.StepMetrics)
 
 
@@ -96,11 +109,12 @@ def replay_draw_values(info: list[replay_pb2.SampleInfo] | None, no_signal: Coll
 
 
 class LearnerLoop:
-    def __init__(self, trainer: Trainer, replay: ReplayClient, replicas: list[InferenceClient],
+    def __init__(self, trainer: Trainer, replay: ReplayClient, replicas: list[InferenceClient] | Replicas,
                  producer: kafka.ProtoProducer | None, groups_per_step: int, table: str = "default",
                  sample_timeout_ms: int = 5_000, checkpoint_dir: str | Path | None = None,
                  checkpoint_every: int = 0, keep_checkpoints: int = 3, priority_signal: str = "none",
-                 model_dir: str | Path | None = None, mirror: Mirror | None = None):
+                 model_dir: str | Path | None = None, mirror: Mirror | None = None,
+                 policy_dir: str | Path | None = None):
         self.trainer = trainer
         self.model_dir = model_dir  # the folder the policy started from (config, tokenizer of exports)
         self.replay = replay
@@ -114,6 +128,8 @@ class LearnerLoop:
         self.keep_checkpoints = keep_checkpoints
         self.priority_signal = priority_signal  # sent to replay as each group's priority after a step
         self.mirror = mirror  # object storage that every checkpoint is uploaded to (runtime.storage)
+        self.policy_dir = Path(policy_dir) if policy_dir else None
+        self.lineage = uuid.uuid4().hex[:16]  # this run's versions; a resumed checkpoint brings its own
         self.state = LearnerState()
         self._lock = threading.Lock()  # one step / checkpoint at a time
         self._pending: tuple[list[common_pb2.RolloutGroup], list[replay_pb2.SampleInfo]] | None = None
@@ -139,6 +155,11 @@ class LearnerLoop:
                 return
             t0 = time.perf_counter()
             sampled, self._pending = self._pending, None
+            try:
+                with self._lock:
+                    self.sync_replicas()
+            except Exception:  # noqa: BLE001 - resolving or a replica failing never stops training
+                _log.exception("replica sync failed")
             if sampled is None:
                 try:
                     r = self.replay.sample_batch(self.groups_per_step, self.table, self.sample_timeout_ms,
@@ -286,19 +307,68 @@ class LearnerLoop:
         STEPS.inc()
         TOKENS.inc(values.get("tokens", 0.0))
 
-    def _push(self, version: int, replicas: list[InferenceClient] | None = None) -> None:
-        """Send the current weights as ``version`` to every replica; a refusal is logged and counted."""
-        replicas = self.replicas if replicas is None else replicas
+    def current_replicas(self) -> list[InferenceClient]:
+        """The inference replicas now (re-resolved when they come from a resolver)."""
+        if isinstance(self.replicas, Replicas):
+            return list(self.replicas.current(refresh=True).values())
+        return list(self.replicas)
+
+    def _push(self, version: int, replicas: list[InferenceClient] | None = None, store: bool = True) -> None:
+        """Store the current weights as ``version`` (policy_dir; ``store``), then send them to ``replicas``
+        (default: every replica, re-resolved); a refusal is logged and counted."""
+        weights = None
+        if self.policy_dir is not None and store:  # first: a replica starting now loads this version
+            weights = self.trainer.push_weights()  # in the engine's dtype: bf16 halves the bytes sent
+            policy_store.write(self.policy_dir, weights, version, self.lineage)
+        replicas = self.current_replicas() if replicas is None else replicas
+        replicas = [r for r in replicas if r.address not in self.state.replica_errors]
         if not replicas:
             return
-        weights = self.trainer.push_weights()  # in the engine's dtype: bf16 halves the bytes sent
+        weights = self.trainer.push_weights() if weights is None else weights
         for replica in replicas:
             try:
-                replica.update_weights(chunks_from_tensors(weights, new_version=version))
+                replica.update_weights(chunks_from_tensors(weights, new_version=version, lineage=self.lineage))
             except grpc.RpcError as e:
                 self.state.push_failures += 1
                 PUSH_FAILURES.inc()
                 _log.error("weight push failed", replica=replica.address, code=e.code().name, details=e.details())
+
+    def replica_problem(self, address: str, info) -> str:
+        """Why the replica at ``address`` (its GetPolicyVersionResponse ``info``) must not get this learner's
+        weights; "" when it may."""
+        if info.lineage and info.lineage != self.lineage:
+            return (f"inference replica {address} serves version {info.policy_version} of lineage {info.lineage}, "
+                    f"not this learner's lineage {self.lineage} (another training run's replica)")
+        if info.vocab_size > self.trainer.vocab_size:
+            return (f"inference replica {address} serves a vocabulary of {info.vocab_size} tokens; the learner's "
+                    f"model has {self.trainer.vocab_size} (another model: model {info.model!r})")
+        return ""
+
+    def sync_replicas(self) -> list[str]:
+        """Check every replica (module docstring): push the current weights to each one behind the learner;
+        record the ones that must not be pushed to. Returns the addresses pushed to. Caller holds the lock."""
+        version = self.trainer.policy_version
+        behind = []
+        for replica in self.current_replicas():
+            try:
+                info = replica.info()
+            except grpc.RpcError:  # down or still loading: it loads policy_dir when it starts, or is synced later
+                continue
+            problem = self.replica_problem(replica.address, info)
+            if problem:
+                if self.state.replica_errors.get(replica.address) != problem:
+                    _log.error("inference replica refused", replica=replica.address, error=problem)
+                self.state.replica_errors[replica.address] = problem
+                continue
+            self.state.replica_errors.pop(replica.address, None)
+            if info.policy_version < version:
+                behind.append(replica)
+        if behind:
+            _log.warning("inference replicas behind the learner: pushing the current version",
+                         replicas=[r.address for r in behind], policy_version=version)
+            self._push(version, behind, store=False)  # the store has this version already
+            self.state.replica_syncs += len(behind)
+        return [r.address for r in behind]
 
     # -- checkpoints ---------------------------------------------------------------------------
     def _checkpoint(self, path: str | None) -> Path:
@@ -322,6 +392,7 @@ class LearnerLoop:
             if not path:  # our own folder: the server's fault (a full disk), not the caller's
                 raise
             raise InvalidArgument(f"cannot write {target}: {e.strerror}", field="path") from None
+        (target / "lineage").write_text(self.lineage)  # a learner resumed from it continues this lineage
         checkpoint.mark_latest(root, target)
         checkpoint.prune(root, self.keep_checkpoints)
         if self.mirror is not None:  # a failed upload fails the checkpoint (StorageError), loudly
@@ -353,8 +424,10 @@ class LearnerLoop:
             return False
         with self._lock:
             meta = checkpoint.load(self.trainer, path)
+            if (path / "lineage").exists():
+                self.lineage = (path / "lineage").read_text().strip()
             serving: list[tuple[InferenceClient, int]] = []
-            for replica in self.replicas:
+            for replica in self.current_replicas():
                 try:
                     serving.append((replica, replica.policy_version()))
                 except grpc.RpcError as e:  # it gets the weights with the next step's push
@@ -363,7 +436,7 @@ class LearnerLoop:
             if newest > self.trainer.policy_version:
                 self.trainer.policy_version = newest + 1
             behind = [r for r, v in serving if v != self.trainer.policy_version]
-            if behind:
+            if behind or self.policy_dir is not None:
                 self._push(self.trainer.policy_version, behind)
             s = self.state
             s.step, s.policy_version, s.resumed = self.trainer.step_count, self.trainer.policy_version, True

@@ -5,6 +5,7 @@ from __future__ import annotations
 from contextlib import ExitStack
 from pathlib import Path
 
+from temper.client.discovery import Replicas
 from temper.client.sdk import InferenceClient, ReplayClient
 from temper.learner.config import LearnerConfig
 from temper.learner.loop import LearnerLoop
@@ -30,19 +31,25 @@ class LearnerService(Service[LearnerConfig]):
         trainer = Trainer(config.model_dir, config.trainer_config())  # the slow part; the port is already bound
         # channels to dependencies that may still be loading: calls wait for their servers (see runtime.service)
         replay = stack.enter_context(client(ReplayClient, config.replay_address))
-        replicas = [stack.enter_context(client(InferenceClient, a)) for a in config.inference_addresses]
+        # every replica the targets name (fixed addresses, or dns:/// of a headless Service), re-resolved before
+        # each push and each replica check, so a replica added later gets the policy
+        try:
+            replicas = Replicas(config.inference_addresses, lambda a: client(InferenceClient, a))
+        except ValueError as e:
+            raise StartupError(f"inference_addresses: {e}") from e
+        stack.callback(replicas.close)
         self.loop = LearnerLoop(trainer, replay, replicas, None, config.groups_per_step, config.table,
                                 checkpoint_dir=config.checkpoint_dir or Path(config.data_dir) / "checkpoints",
                                 checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints,
                                 priority_signal=config.priority_signal, model_dir=config.model_dir,
-                                mirror=mirror)
+                                mirror=mirror, policy_dir=config.policy_dir or None)
         kafka.ensure_topics(config.kafka_bootstrap)
         self.loop.producer = kafka.ProtoProducer(config.kafka_bootstrap, client_id="temper-learner")
         stack.callback(self.loop.producer.close)
         if config.resume:
             # resuming asks every replica its version: wait for replicas that are still loading (bounded;
             # one that stays down gets the weights with the next step's push, as before)
-            for replica in replicas:
+            for replica in replicas.current().values():
                 replica.wait_ready(config.dependency_wait_seconds)
             self.loop.resume_from_checkpoint()
         self.loop.start()

@@ -19,7 +19,8 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             skipped_batches=s.skipped_batches, algorithm=self.algorithm, skipped_by_field=s.skipped_by_field,
             stale_groups_dropped=s.stale_groups_dropped, weight_push_failures=s.push_failures,
             checkpoint_step=s.checkpoint_step, checkpoint_path=s.checkpoint_path, resumed=s.resumed,
-            dropped_groups=s.dropped_groups, dropped_by_reason=s.dropped_by_reason)
+            dropped_groups=s.dropped_groups, dropped_by_reason=s.dropped_by_reason,
+            replica_errors=s.replica_errors, lineage=self.loop.lineage, replica_syncs=s.replica_syncs)
 
     def Status(self, request, context):
         return learner_pb2.StatusResponse(status=self._status())

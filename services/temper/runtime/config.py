@@ -11,7 +11,13 @@ in, so the launcher hard-codes nothing per service:
 * ``address_of("inference")``: the address of that service (a ``list[str]`` field gets a list);
 * ``model_dir()``: the service loads the job's model; the launcher resolves the ``[model]``
   table to a folder (only for services that declare this);
-* ``from_job("prompts_per_step")``: the value of that key of the job's ``[job]`` table.
+* ``from_job("prompts_per_step")``: the value of that key of the job's ``[job]`` table;
+* ``shared_dir("policy")``: one folder of the stack that every service declaring the same name gets
+  (``<home>/data/shared/policy``): the learner writes the current policy there, inference replicas read it.
+
+A service whose config has a ``replicas`` field is started that many times by the launcher: the
+replicas are named ``<service>``, ``<service>-1``, ...; an ``address_of`` it gets every replica's address
+(a ``str`` field as one ``ipv4:a:p,b:q`` target, which ``temper.client.transport`` balances round_robin).
 """
 
 from __future__ import annotations
@@ -68,6 +74,11 @@ def model_dir(default: str, description: str):
 def from_job(key: str, default, description: str):
     """A field the launcher sets from ``[job].<key>`` of the job config, when the job sets it."""
     return Field(default, description=description, json_schema_extra={WIRING: {"from_job": key}})
+
+
+def shared_dir(name: str, default: str, description: str):
+    """A folder the launcher gives to every service that declares ``shared_dir(name)``: the same one for all."""
+    return Field(default, description=description, json_schema_extra={WIRING: {"shared_dir": name}})
 
 
 def wiring(cls: type[ServiceConfig]) -> dict[str, dict]:

@@ -8,12 +8,19 @@ Wiring comes from the services' config classes (``temper.<svc>.config``), never 
 a field made with ``address_of(S)`` gets the address service S reported, ``model_dir()`` the
 job's ``[model]`` resolved to a folder (built only when some service to start declares it, so
 ``temper up replay`` builds no model), ``from_job(K)`` the value of ``[job].K`` (the learner's
-``groups_per_step`` is ``[job].prompts_per_step``). Every service is started with ``--port 0
+``groups_per_step`` is ``[job].prompts_per_step``), ``shared_dir(N)`` the folder ``<home>/data/shared/N``
+(the same for every service declaring N; emptied by ``up``). Every service is started with ``--port 0
 --metrics-port 0 --port-file F``: it binds, and writes the ports it got to F (before it loads
 anything slow). Services start in dependency waves: a service starts once every service whose
 address it needs (and that is being started) has reported its address; then the launcher waits
 for every one to be SERVING. A service that needs an address of a service not being started
 keeps its config's value.
+
+Replicas: a service whose config has a ``replicas`` field (``[inference] replicas = 2``) is started that
+many times, as ``inference``, ``inference-1``, ...: each its own process, port, port file, log, data dir
+and state entry, supervised and restarted on its own port like any service. A dependent gets every
+replica's address: a ``list[str]`` field the list, a ``str`` field one ``ipv4:a:p,b:q`` target
+(``temper.client.discovery``), whose channel spreads calls over all of them.
 
 Restart (``temper restart``, ``start_service``, and the supervisor after a crash,
 ``temper.runtime.supervisor``): the service is started again on the port it had (and the same
@@ -40,6 +47,7 @@ import fcntl
 import importlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -55,6 +63,7 @@ from pathlib import Path
 import grpc
 
 from temper import jobs
+from temper.client.discovery import target_of
 from temper.client.transport import AUTH_TOKEN_FILE_ENV, TLS_DIR_ENV
 from temper.runtime.auth import AuthConfig, write_token
 from temper.runtime.broker import start_broker_on_free_port
@@ -126,6 +135,23 @@ def config_class(service: str) -> type[ServiceConfig]:
         raise RuntimeError(f"temper.{service}.config must define exactly one ServiceConfig with section "
                            f"{service!r}, found {sorted(c.__name__ for c in found)}")
     return found.pop()
+
+
+def service_of(name: str) -> str:
+    """The service a process name belongs to: ``inference-1`` -> ``inference`` (a replica's name)."""
+    return name.split("-", 1)[0]
+
+
+def replica_names(service: str, cfg: dict) -> list[str]:
+    """The processes ``service`` runs as: ``[service]``, or with ``[service] replicas = N`` (a field of its
+    config) ``[service, service-1, ..., service-(N-1)]``."""
+    cls = config_class(service)
+    if "replicas" not in cls.model_fields:
+        return [service]
+    n = cfg.get(service, {}).get("replicas", cls.model_fields["replicas"].default)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"[{service}] replicas: must be an integer >= 1 (got {n!r})")
+    return [service] + [f"{service}-{i}" for i in range(1, n)]
 
 
 def dependencies(service: str) -> set[str]:
@@ -262,13 +288,17 @@ class Launcher:
             self._save(state)
             from temper.runtime.kafka import ensure_topics
             ensure_topics(state.kafka_bootstrap)
+            shutil.rmtree(self.home / "data" / "shared", ignore_errors=True)  # a past stack's policy is not ours
+            started = []
             for wave in waves(names):
-                for name in wave:
+                procs = [r for name in wave for r in replica_names(name, cfg)]
+                for name in procs:
                     state.services[name] = self._start(self._proc(name, state, cfg, model_dir, logs), state)
                     self._save(state)
-                self._wait_all(wave, state, deadline, self._wait_reported)
+                self._wait_all(procs, state, deadline, self._wait_reported)
                 self._save(state)
-            self._wait_all(names, state, deadline, self._wait_serving)
+                started += procs
+            self._wait_all(started, state, deadline, self._wait_serving)
             if supervise == "thread":
                 self.supervisor = Supervisor(self, policy).start()
             elif supervise == "process":
@@ -296,15 +326,18 @@ class Launcher:
         return model_dir
 
     def _proc(self, name: str, state: State, cfg: dict, model_dir: Path | None, logs: Path) -> Proc:
-        args = [sys.executable, "-m", f"temper.{name}",
-                *self.service_flags(name, cfg, model_dir, {n: p.address for n, p in state.services.items()},
-                                    state.kafka_bootstrap)]
+        addresses: dict[str, list[str]] = {}
+        for n, p in state.services.items():
+            addresses.setdefault(service_of(n), []).append(p.address)
+        args = [sys.executable, "-m", f"temper.{service_of(name)}",
+                *self.service_flags(name, cfg, model_dir, addresses, state.kafka_bootstrap)]
         return Proc(name, 0, "", str(logs / f"{name}.log"), -1, args, str(self.home / "ports" / f"{name}.json"))
 
-    def service_flags(self, name: str, cfg: dict, model_dir: Path | None, addresses: dict[str, str],
+    def service_flags(self, name: str, cfg: dict, model_dir: Path | None, addresses: dict[str, str | list[str]],
                       kafka_bootstrap: str) -> list[str]:
-        """The arguments ``name`` is started with: the flags every service shares, then what its config's wiring
-        asks for (an address only of a service in ``addresses``; ``--kafka-bootstrap`` only when given)."""
+        """The arguments process ``name`` (a service, or one of its replicas) is started with: the flags every
+        service shares, then what its config's wiring asks for (an address only of a service in ``addresses``,
+        which maps a service to its replicas' addresses; ``--kafka-bootstrap`` only when given)."""
         logs = self.home / "logs"
         args = ["--config", str(self.config_path), "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
                 "--port-file", str(self.home / "ports" / f"{name}.json"), "--data-dir", str(self.home / "data" / name),
@@ -312,10 +345,16 @@ class Launcher:
         if kafka_bootstrap:
             args += ["--kafka-bootstrap", kafka_bootstrap]
         job = cfg.get("job", {})
-        for field_name, w in wiring(config_class(name)).items():
+        cls = config_class(service_of(name))
+        for field_name, w in wiring(cls).items():
             flag = "--" + field_name.replace("_", "-")
             if "address_of" in w and w["address_of"] in addresses:
-                args += [flag, addresses[w["address_of"]]]
+                found = addresses[w["address_of"]]
+                found = [found] if isinstance(found, str) else found
+                is_list = getattr(cls.model_fields[field_name].annotation, "__origin__", None) is list
+                args += [flag, ",".join(found) if is_list else target_of(found)]
+            elif "shared_dir" in w:
+                args += [flag, str(self.home / "data" / "shared" / w["shared_dir"])]
             elif w.get("model") and model_dir is not None:
                 args += [flag, str(model_dir)]
             elif "from_job" in w and w["from_job"] in job:
@@ -328,7 +367,8 @@ class Launcher:
         with open(p.log, "ab") as log:
             proc = subprocess.Popen(p.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True,
-                                    env=_service_env(state.auth_token_file, tls_dir_of(state.tls_dir, p.name)))
+                                    env=_service_env(state.auth_token_file,
+                                                     tls_dir_of(state.tls_dir, service_of(p.name))))
         # kept: a dropped Popen of a live child is reaped by the next Popen's clean-up, status lost
         self._children[proc.pid] = proc
         p.pid, p.started_at = proc.pid, time.time()
@@ -508,7 +548,7 @@ class Launcher:
                 pass
         state = self.load()
         self.jobs_ended = self._end_jobs(state)
-        procs = [state.services[n] for n in reversed(SERVICES) if n in state.services]
+        procs = [p for s in reversed(SERVICES) for n, p in state.services.items() if service_of(n) == s]
         stopped = _terminate(procs, grace) + (_terminate([state.broker], 5.0) if state.broker else [])
         self.reap()
         if self._own_env is not None:  # this process's SDK calls go back to what they were

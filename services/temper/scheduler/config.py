@@ -10,7 +10,10 @@ from temper.runtime.config import ServiceConfig, address_of
 class SchedulerConfig(ServiceConfig):
     section = "scheduler"
 
-    inference_address: str = address_of("inference", "127.0.0.1:50051", "host:port of the inference service")
+    inference_address: str = address_of("inference", "127.0.0.1:50051", "the inference replicas: host:port, "
+                                        "ipv4:a:p,b:q (what `temper up` passes for [inference] replicas > 1) or "
+                                        "dns:///name:port (a headless Service); generation is spread over them "
+                                        "round_robin, the serving version is the lowest of theirs")
     reward_address: str = address_of("reward", "", "host:port of the reward service, which scores held-out "
                                                    "evaluations; empty: jobs without evaluation only")
     generate_timeout_seconds: float = Field(600.0, description="how long one step's generate call may take (a real "

@@ -5,14 +5,18 @@ from __future__ import annotations
 from contextlib import ExitStack
 from pathlib import Path
 
+import grpc
+
+from temper.client.discovery import Replicas
 from temper.client.sdk import InferenceClient, RewardClient
 from temper.runtime import kafka
 from temper.runtime.logs import get_logger
 from temper.runtime.rpc import client
-from temper.runtime.service import Service
+from temper.runtime.service import Service, StartupError
 from temper.scheduler.config import SchedulerConfig
 from temper.scheduler.core import Job, JobSpec
 from temper.scheduler.evaluation import check_scorable
+from temper.scheduler.replicas import lowest_version
 from temper.scheduler.servicer import SchedulerServicer
 from temper.scheduler.store import JobStore
 from temper.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -31,6 +35,12 @@ class SchedulerService(Service[SchedulerConfig]):
         # held-out answers on a channel of their own, with a longer deadline
         self.evaluator = stack.enter_context(client(InferenceClient, config.inference_address))
         self.evaluator.timeout = config.eval_timeout_seconds
+        # the replicas one by one, to read the version every one serves (generation is spread by the channel above)
+        try:
+            self.replicas = Replicas(config.inference_address, lambda a: client(InferenceClient, a, timeout=10.0))
+        except ValueError as e:
+            raise StartupError(f"inference_address: {e}") from e
+        stack.callback(self.replicas.close)
         self.reward = stack.enter_context(client(RewardClient, config.reward_address)) if config.reward_address else None
         kafka.ensure_topics(config.kafka_bootstrap)
         self.producer = kafka.ProtoProducer(config.kafka_bootstrap, client_id="temper-scheduler")
@@ -68,8 +78,22 @@ class SchedulerService(Service[SchedulerConfig]):
         # before any work (once, when the job is accepted): every evaluated domain is scorable
         if spec.eval.size > 0 and reward is not None and not resumed:
             check_scorable(spec.domains, [d for d in spec.eval_domains if d not in spec.domains], reward.list_domains())
-        return Job(spec, generate, publish, inference.policy_version, answer=answer if reward else None,
+        return Job(spec, generate, publish, self.serving_version, answer=answer if reward else None,
                    score=reward.score if reward else None, journal=self.store)
+
+    def serving_version(self) -> int:
+        """The lowest policy version over the inference replicas that answer (temper.scheduler.replicas)."""
+        infos, error = {}, None
+        for address, replica in self.replicas.current().items():
+            try:
+                infos[address] = replica.info()
+            except grpc.RpcError as e:  # down or restarting: generation goes to the others meanwhile
+                error = e
+        if not infos:
+            if error is not None:
+                raise error
+            raise RuntimeError(f"inference_address {self.config.inference_address!r} names no replica now")
+        return lowest_version(infos)
 
     def checks(self):
         return [lambda: self.consumer.alive]
