@@ -68,6 +68,16 @@ def test_the_shipped_job_trains_smollm2_and_evaluates_before_and_after(run):
         assert set(accuracy) == set(domains), summary["eval"]
         assert all(0.0 <= acc <= 1.0 for acc in accuracy.values())
     assert (summary["eval"]["before"]["policy_version"], summary["eval"]["after"]["policy_version"]) == (0, 2)
+    # the shipped evaluation samples: pass@1 over eval.samples answers per problem, with its spread and pass@k
+    ev = cfg["job"]["eval"]
+    assert ev["samples"] > 1 and ev["temperature"] > 0
+    assert (summary["eval"]["samples"], summary["eval"]["temperature"]) == (ev["samples"], ev["temperature"])
+    for e in summary["eval"]["evals"]:
+        assert set(e["pass_at_k"]) == set(domains)
+        assert all(e["accuracy"][d] <= e["pass_at_k"][d] and e["accuracy_stderr"][d] >= 0 for d in domains)
+        # a problem's answers are all generated and counted: accuracy is a multiple of 1/(problems * samples)
+        assert all(abs(e["accuracy"][d] * 4 * ev["samples"] - round(e["accuracy"][d] * 4 * ev["samples"])) < 1e-6
+                   for d in domains)
     assert (latest / "eval_accuracy.png").stat().st_size > 0
     assert "eval (before" in out and "eval (final" in out
 
