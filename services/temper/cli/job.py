@@ -184,7 +184,11 @@ def _catch_up(consumer: KafkaConsumer, tp_scored: TopicPartition, scheduler: Sch
                 if g.job_id == job_id and any(t.reward.status == common_pb2.REWARD_STATUS_OK for t in g.trajectories):
                     scored_ids.add(g.group_id)
         if consumer.position(tp_scored) >= end:
-            status = scheduler.job(job_id)
+            try:
+                status = scheduler.job(job_id)
+            except grpc.RpcError as e:  # the job is done: a scheduler gone now costs the report its last counts
+                tqdm.write(f"the scheduler did not answer ({e.code().name}); the report shows the counts it had")
+                break
     if status.groups_scored < len(scored_ids):
         tqdm.write(f"the scheduler has learned {status.groups_scored} of the job's {len(scored_ids)} scored groups "
                    f"after {CATCH_UP_SECONDS:.0f}s; the report shows what it has")
