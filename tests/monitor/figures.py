@@ -38,6 +38,7 @@ from pathlib import Path
 from temper.monitor import detectors as det
 from temper.monitor import stats
 from temper.monitor.detectors import StepStats
+from temper.reward.settings import default_domains
 from temper.v1 import common_pb2
 
 DATA = Path(__file__).parent / "data"
@@ -297,9 +298,10 @@ TABLE_HEADER = ("| detector | planted anomaly | detected | delay, steps (mean / 
                 "| clean streams with an alarm |\n|---|---|---|---|---|---|")
 
 
-def evaluate(scenario: Scenario, seeds: int, seed0: int = 0) -> Figures:
-    """``seeds`` anomaly streams and ``seeds`` clean streams of ``scenario`` through its detector."""
-    detector = det.build(scenario.detector, {}, f"monitor.detectors.{scenario.detector}")
+def evaluate(scenario: Scenario, seeds: int, seed0: int = 0, params: dict | None = None) -> Figures:
+    """``seeds`` anomaly streams and ``seeds`` clean streams of ``scenario`` through its detector (with its
+    defaults, or ``params`` over them as a job's [monitor.detectors.NAME] table would set)."""
+    detector = det.build(scenario.detector, params or {}, f"monitor.detectors.{scenario.detector}")
     fig = Figures(scenario.detector, scenario.anomaly)
     for seed in range(seed0, seed0 + seeds):
         rng = random.Random(f"{scenario.detector}/{scenario.anomaly}/{seed}")
@@ -328,8 +330,6 @@ def load_run(name: str) -> dict:
 
 def _weights(run: dict, domain: str) -> dict[str, float]:
     """The reward components' weights of ``domain`` as the run's reward service had them."""
-    from temper.reward.settings import default_domains
-
     configured = {p: spec.get("weights", {}) for p, spec in (run["reward"].get("domains") or {}).items()}
     defaults = {p: spec.weights for p, spec in default_domains().items()}
     for table in (configured, defaults):
@@ -343,7 +343,7 @@ def _sample_group(run: dict, step: int, samples: list[dict]) -> common_pb2.Rollo
     """A run's recorded samples as a scored group, so that ``stats.summarize`` reads them as the monitor would
     (length in words: the summary keeps no token ids)."""
     trajectories = []
-    for k, t in enumerate(samples):
+    for t in samples:
         weights = _weights(run, t["domain"])
         reward = common_pb2.Reward(total=t["reward"], status=common_pb2.REWARD_STATUS_OK, components=[
             common_pb2.RewardComponent(name=n, value=v, weight=weights.get(n, 1.0), status=common_pb2.REWARD_STATUS_OK)
@@ -405,15 +405,16 @@ MIN_STEPS = {"reward_vs_gold": 6, "rm_vs_verifier": 6, "length": 8, "degeneratio
              "reward_jump": 6, "format_only": 6, "code_exploit": 1}
 
 
-def replay_real(name: str) -> list[RealFigures]:
-    """Every detector, with its defaults, over every series of the real run ``name``."""
+def replay_real(name: str, params: dict[str, dict] | None = None) -> list[RealFigures]:
+    """Every detector, with its defaults (or ``params[detector]`` over them), over every series of the real
+    run ``name``."""
     run = load_run(name)
     out = []
     for (source, domain), series in sorted(real_series(run).items()):
         for det_name, cls in det.DETECTORS.items():
             if cls.source != source:
                 continue
-            d = det.build(det_name, {}, f"monitor.detectors.{det_name}")
+            d = det.build(det_name, (params or {}).get(det_name, {}), f"monitor.detectors.{det_name}")
             keys = READS[det_name]
             carrying = [s for s in series if all(k in s.values for k in keys)]
             fired, messages = [], []

@@ -3,6 +3,7 @@
 and real runs' recorded steps (tests/monitor/data) replayed through every detector with its defaults."""
 
 import copy
+import random
 
 import pytest
 
@@ -26,8 +27,6 @@ def test_every_detector_has_a_scenario():
 
 
 def test_a_clean_scripted_stream_has_the_noise_of_a_real_step():
-    import random
-
     series = F.scored_stream(random.Random(0), samples=64)
     rewards = [s.values["reward"] for s in series]
     diffs = [b - a for a, b in zip(rewards, rewards[1:])]
@@ -88,3 +87,9 @@ def test_length_fires_on_an_explosion_planted_in_the_real_samples():
         s.values["length"] *= 4
     fired = F.firings(det.LengthAnomaly(), series)
     assert fired and 9 <= fired[0] <= 11
+
+
+def test_a_higher_abs_floor_silences_the_toy_steps_clip_alarm():
+    """The README's trade-off: abs_floor 0.015 (a job's [monitor.detectors.training_signal] table) quiets it."""
+    figs = F.replay_real("toy-steps", {"training_signal": {"abs_floor": 0.015}})
+    assert not [r for r in figs if r.fired]
