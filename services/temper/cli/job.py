@@ -98,8 +98,7 @@ def follow_job(state: State, spec: JobSpec, timeout: float, echo=print, check=No
                 for r in records:
                     if part == tp_scored:
                         g = common_pb2.RolloutGroup.FromString(r.value)
-                        if g.job_id == job_id and any(t.reward.status == common_pb2.REWARD_STATUS_OK
-                                                      for t in g.trajectories):
+                        if _learnable(g, job_id):
                             scored_ids.add(g.group_id)
                         kept = samples.setdefault(g.step, [])
                         if g.job_id == job_id and len(kept) < SAMPLES_PER_STEP:
@@ -163,6 +162,11 @@ def follow_job(state: State, spec: JobSpec, timeout: float, echo=print, check=No
                     {k: v for k, v in sorted(samples.items()) if v})
 
 
+def _learnable(group: common_pb2.RolloutGroup, job_id: str) -> bool:
+    """A group of ``job_id`` the scheduler learns from: one with an OK reward (the scheduler skips the rest)."""
+    return group.job_id == job_id and any(t.reward.status == common_pb2.REWARD_STATUS_OK for t in group.trajectories)
+
+
 def _catch_up(consumer: KafkaConsumer, tp_scored: TopicPartition, scheduler: SchedulerClient,
               status: scheduler_pb2.JobStatus, scored_ids: set[str]) -> scheduler_pb2.JobStatus:
     """The finished job's status once the scheduler has learned every group of the job on `scored` so far.
@@ -181,7 +185,7 @@ def _catch_up(consumer: KafkaConsumer, tp_scored: TopicPartition, scheduler: Sch
                 if r.topic != tp_scored.topic:
                     continue
                 g = common_pb2.RolloutGroup.FromString(r.value)
-                if g.job_id == job_id and any(t.reward.status == common_pb2.REWARD_STATUS_OK for t in g.trajectories):
+                if _learnable(g, job_id):
                     scored_ids.add(g.group_id)
         if consumer.position(tp_scored) >= end:
             try:

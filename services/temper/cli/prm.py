@@ -23,6 +23,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from temper.runtime.jsonl import jsonl_rows
+
 MAX_SEQUENCES_PER_CALL = 512  # rollouts per Generate call (well under the service's max_sequences_per_request)
 MAX_GROUP = 256  # completions per Score call (under the reward service's max_group_size)
 TEMPORARY = "services started for this command"
@@ -36,13 +38,7 @@ def read_export(path: Path, max_trajectories: int = 0) -> list:
         raise ValueError(f"--from: no such file {path}")
     out, without_task = [], 0
     with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError as e:
-                raise ValueError(f"--from: {path}:{n}: not JSON: {e}") from None
+        for *_, rec in jsonl_rows(f, lambda _, n, e: ValueError(f"--from: {path}:{n}: not JSON: {e}")):
             if not isinstance(rec, dict) or "completion" not in rec:
                 continue  # preference pairs, process records
             if not isinstance(rec.get("task"), dict) or not rec["task"].get("domain"):

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from temper.reward.models import META_FILE, Encoded, SegmentEncoder, head_logits, read_meta
+from temper.runtime.jsonl import jsonl_rows
 
 
 @dataclass
@@ -47,13 +48,7 @@ def load_records(paths: list[str | Path]) -> list[dict]:
     records = []
     for path in paths:
         with open(path) as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except ValueError as e:
-                    raise SystemExit(f"{path}:{n}: not JSON: {e}") from None
+            for _, n, rec in jsonl_rows(f, lambda _, n, e, path=path: SystemExit(f"{path}:{n}: not JSON: {e}")):
                 records.append(_checked(rec, f"{path}:{n}"))
     if not records:
         raise SystemExit(f"no records in {[str(p) for p in paths]}")

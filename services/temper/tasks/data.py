@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from temper.runtime.errors import InvalidArgument, require
+from temper.runtime.jsonl import jsonl_rows
 from temper.tasks import suites
 from temper.v1 import common_pb2
 
@@ -349,15 +350,8 @@ def _read(path: Path, fmt: str, split: str, field: str):
     """(row, where) pairs of the file; a row is a dict of its fields."""
     if fmt == "jsonl":
         with path.open(encoding="utf-8") as f:
-            n = 0
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                n += 1
-                try:
-                    row = json.loads(line)
-                except ValueError as e:
-                    raise InvalidArgument(f"{path} line {line_no}: not JSON: {e}", field=field) from None
+            for n, line_no, row in jsonl_rows(f, lambda n, line_no, e: InvalidArgument(
+                    f"{path} line {line_no}: not JSON: {e}", field=field)):
                 yield row, f"row {n} (line {line_no})"
     elif fmt == "csv":
         with path.open(encoding="utf-8", newline="") as f:

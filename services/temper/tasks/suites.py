@@ -46,6 +46,7 @@ import re
 from pathlib import Path
 
 from temper.runtime.errors import InvalidArgument, require
+from temper.runtime.jsonl import jsonl_rows
 
 VERIFIERS = ("tests.pass_fraction", "tests.all_pass")
 OPTIONS = ("tests_dir", "prompt_file", "solution_file", "tests_field", "wall_seconds")
@@ -124,16 +125,10 @@ def _jsonl_problems(path: Path, config: dict, field: str, what: str) -> list[tup
     require(bool(prompt_field), f"{field}.prompt_field", "required: the column of the JSONL file holding the prompt")
     tests_field = config.get("tests_field", "tests")
     out = []
-    n = 0
-    for line_no, line in enumerate(_text(path, f"{field}.{what}").splitlines(), 1):
-        if not line.strip():
-            continue
-        n += 1
+    rows = jsonl_rows(_text(path, f"{field}.{what}").splitlines(), lambda n, line_no, e: InvalidArgument(
+        f"{path} row {n} (line {line_no}): not JSON: {e}", field=f"{field}.{what}"))
+    for n, line_no, row in rows:
         where = f"{path} row {n} (line {line_no})"
-        try:
-            row = json.loads(line)
-        except ValueError as e:
-            raise InvalidArgument(f"{where}: not JSON: {e}", field=f"{field}.{what}") from None
         require(isinstance(row, dict), f"{field}.{what}", f"{where}: a row must be an object of fields")
         prompt, tests = row.get(prompt_field), row.get(tests_field)
         require(isinstance(prompt, str) and bool(prompt.strip()), f"{field}.prompt_field",
