@@ -209,7 +209,8 @@ def test_a_program_killing_the_sandbox_does_not_fail_the_others(batch_client):
     ok = "print(input())\n"
     resp = batch(batch_client, [ok, bomb, ok, spin, ok], [{"stdin": "hi", "expected_stdout": "hi"}],
                  wall_seconds=2, memory_mb=128)
-    assert [verdict(r.results[0]) for r in resp.results] == ["OK", "MEMORY_LIMIT", "OK", "TIMEOUT", "OK"]
+    assert [verdict(r.results[0]) for r in resp.results] == ["OK", "MEMORY_LIMIT", "OK", "TIMEOUT", "OK"], \
+        [r.results[0].message for r in resp.results]
 
 
 def test_isolated_mode_runs_each_program_of_a_batch_in_its_own_sandbox(client):

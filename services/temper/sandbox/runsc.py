@@ -71,7 +71,9 @@ class RunscSettings:
     memory_slack_mb: int = 32  # headroom over the run's limit for the sandbox's own growth
     boot_memory_mb: int = 4096  # cgroup limit while booting and between runs
     boot_timeout_seconds: float = 30.0
-    answer_grace_seconds: float = 10.0  # host backstop beyond the run's wall limit
+    # host backstop beyond the run's wall limit: above the agent's own clean-up bound (agent._kill_all,
+    # 10 s) with room for a loaded host, so a run the agent still judges is never cut off as SANDBOX_ERROR
+    answer_grace_seconds: float = 30.0
     uid: int = 65534
     warm_command: tuple[str, ...] = ()  # pre-started in every sandbox, blocked on its control pipe
     warm_env: Mapping[str, str] = field(default_factory=dict)
@@ -442,12 +444,18 @@ class GVisorSandbox:
                 return RunFacts(exit_code=-1, signal=signal.SIGKILL, killed="memory",
                                 max_rss_bytes=limits.memory_mb * MiB)
             why = "did not answer in time" if e.timed_out else f"died ({e})"
-            return RunFacts(exit_code=-1, killed="sandbox", error=f"sandbox {why}; runsc said: {self._log_tail()}")
+            error = f"sandbox {why}; runsc said: {self._log_tail()}"
+            _log.warning("sandbox failed during a run", sandbox=self.id, error=error)
+            return RunFacts(exit_code=-1, killed="sandbox", error=error)
         finally:
             if not self._dead:
                 self.cgroup.set_memory_limit(s.boot_memory_mb * MiB)
         if answer.get("op") != "result":
-            return RunFacts(exit_code=-1, killed="sandbox", error=f"agent error: {answer.get('message', answer)}")
+            # the agent could not run or clean up after the run: nothing of this sandbox is trusted again
+            error = f"agent error: {answer.get('message', answer)}"
+            _log.warning("sandbox agent failed during a run", sandbox=self.id, error=error)
+            self._kill()
+            return RunFacts(exit_code=-1, killed="sandbox", error=error)
         stdout, stderr, report = blobs
         return RunFacts(exit_code=answer["exit_code"], signal=answer["signal"], wall_seconds=answer["wall_seconds"],
                         cpu_seconds=answer["cpu_seconds"], max_rss_bytes=answer["max_rss_kb"] * 1024,
