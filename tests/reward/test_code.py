@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 
 import pytest
 
@@ -66,9 +65,7 @@ def test_correct_partial_wrong_timeout(code_scorer, counted):
         py("print(sum(map(int, input().split())))"),  # the same program again: run once
     ]
     before = counted.calls
-    t0 = time.monotonic()
     scored = code_scorer.score_group(rollout_group("code", SUM_SUITE, texts))
-    elapsed = time.monotonic() - t0
     assert values(scored) == pytest.approx([1.0, 2 / 3, 0.0, 0.0, 0.0, 0.0, 1.0])
     assert values(scored, "code.all_pass") == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
     assert [t.reward.total for t in scored.trajectories] == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
@@ -80,7 +77,6 @@ def test_correct_partial_wrong_timeout(code_scorer, counted):
     assert details[5] == "no code block"
     assert component(scored.trajectories[5], "format.code_block").value == 0.0
     assert counted.calls - before == 5  # 5 distinct programs; no call for the missing block
-    assert elapsed < 60
 
 
 def test_assertion_tests_and_a_cheat(code_scorer):

@@ -120,11 +120,9 @@ def test_queue_full_is_resource_exhausted(service):
             except grpc.RpcError as e:
                 return e.code().name
 
-    t0 = time.monotonic()
     with ThreadPoolExecutor(8) as pool:
         outcomes = list(pool.map(call, range(8)))
     assert sorted(outcomes) == ["OK"] * 4 + ["RESOURCE_EXHAUSTED"] * 4, outcomes
-    assert time.monotonic() - t0 < 20
 
 
 def test_traces_are_published_to_kafka(broker, tmp_path):
