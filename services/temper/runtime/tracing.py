@@ -18,6 +18,17 @@ _provider: TracerProvider | None = None
 def setup_tracing(service: str, trace_file: str = "", otlp_endpoint: str = "") -> TracerProvider:
     """Install the process's tracer provider. Spans go to ``trace_file`` as JSON lines and/or OTLP."""
     global _provider
+    provider = build_provider(service, trace_file, otlp_endpoint)
+    trace.set_tracer_provider(provider)
+    _provider = provider
+    return provider
+
+
+def build_provider(service: str, trace_file: str = "", otlp_endpoint: str = "") -> TracerProvider:
+    """The tracer provider ``setup_tracing`` installs, not installed (the tracing bench builds several).
+
+    With neither export the SDK still records every span (and propagates context); it just drops them.
+    """
     provider = TracerProvider(resource=Resource.create({"service.name": f"temper-{service}"}))
     if trace_file:
         out = open(trace_file, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
@@ -29,8 +40,6 @@ def setup_tracing(service: str, trace_file: str = "", otlp_endpoint: str = "") -
         except ImportError as e:  # pragma: no cover - deployment option
             raise RuntimeError("OTLP export needs: pip install opentelemetry-exporter-otlp-proto-grpc") from e
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True)))
-    trace.set_tracer_provider(provider)
-    _provider = provider
     return provider
 
 
