@@ -28,10 +28,13 @@ import tomllib
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from pydantic import Field, ValidationError
+from cryptography import x509
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat, load_pem_private_key
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, CliSettingsSource, InitSettingsSource, SettingsConfigDict
 
 T = TypeVar("T", bound="ServiceConfig")
+_SPKI = (Encoding.PEM, PublicFormat.SubjectPublicKeyInfo)
 WIRING = "temper_wiring"  # the json_schema_extra key of the launcher's metadata
 
 
@@ -49,16 +52,72 @@ class ServiceConfig(BaseSettings):
                                            '(atomically; "" = log only)')
     kafka_bootstrap: str = Field("127.0.0.1:9092", description="Kafka bootstrap servers (host:port[,host:port])")
     trace_file: str = Field("", description='append finished spans as JSON lines here ("" = no file export)')
-    otlp_endpoint: str = Field("", description='OTLP/gRPC collector address ("" = no OTLP export)')
+    otlp_endpoint: str = Field("", description='OTLP/gRPC collector address ("" = no OTLP export); '
+                                                'https://host:port means TLS')
+    otlp_tls: bool = Field(False, description="TLS to the OTLP collector (verified against otlp_ca_file, else the "
+                                              "system roots); on by itself when otlp_ca_file or otlp_cert_file is "
+                                              "set or otlp_endpoint is https://...; off: plaintext")
+    otlp_ca_file: str = Field("", description="PEM CA certificate(s) the OTLP collector's certificate must chain to "
+                                              '(turns TLS on)')
+    otlp_cert_file: str = Field("", description="PEM client certificate for a collector that requires mTLS "
+                                                "(with otlp_key_file)")
+    otlp_key_file: str = Field("", validate_default=True,
+                               description="PEM private key of otlp_cert_file (both or neither)")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     data_dir: str = Field(".temper/data", description="where the service keeps its files")
     grace_seconds: float = Field(5.0, description="on SIGTERM, how long in-flight calls may take to finish")
     max_workers: int = Field(16, description="gRPC handler threads")
 
+    @field_validator("otlp_ca_file", "otlp_cert_file")
+    @classmethod
+    def _pem_certificates(cls, path: str) -> str:
+        if path:
+            certificates_in(_read(path))
+        return path
+
+    @field_validator("otlp_key_file")
+    @classmethod
+    def _client_key(cls, path: str, info: ValidationInfo) -> str:
+        if "otlp_cert_file" not in info.data:  # the certificate is wrong: that error says so
+            return path
+        cert_file = info.data["otlp_cert_file"]
+        if bool(path) != bool(cert_file):
+            raise ValueError("otlp_cert_file and otlp_key_file go together: set both or neither")
+        if path:
+            pem = _read(path)
+            try:  # the message never quotes the file: it holds a secret
+                key = load_pem_private_key(pem, password=None)
+            except (ValueError, TypeError):
+                raise ValueError("not an unencrypted PEM private key") from None
+            cert = certificates_in(_read(cert_file))[0]
+            if cert.public_key().public_bytes(*_SPKI) != key.public_key().public_bytes(*_SPKI):
+                raise ValueError(f"not the private key of otlp_cert_file {cert_file}")
+        return path
+
+    def otlp_uses_tls(self) -> bool:
+        """Whether spans go to ``otlp_endpoint`` over TLS (the rule of ``otlp_tls``'s description)."""
+        return bool(self.otlp_tls or self.otlp_ca_file or self.otlp_cert_file
+                    or self.otlp_endpoint.startswith("https://"))
+
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
                                    file_secret_settings):
         return (init_settings, env_settings, InitSettingsSource(settings_cls, dict(cls._toml_values)))
+
+
+def _read(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read the file: {e.strerror}") from None
+
+
+def certificates_in(pem: bytes) -> list[x509.Certificate]:
+    """The X.509 certificates of the PEM bytes ``pem``: at least one, else a ValueError."""
+    try:
+        return x509.load_pem_x509_certificates(pem)
+    except ValueError:
+        raise ValueError("not a PEM certificate file") from None
 
 
 def address_of(service: str, default, description: str):

@@ -130,7 +130,9 @@ def run(service_cls: type[Service], argv: list[str] | None = None) -> None:
         sys.exit(f"{prog}: invalid configuration ({fields}):\n" + "\n".join(lines))
     service = service_cls(config)
     log = setup_logging(service.name, config.log_level)
-    setup_tracing(service.name, config.trace_file, config.otlp_endpoint)
+    setup_tracing(service.name, config.trace_file, config.otlp_endpoint, otlp_tls=config.otlp_uses_tls(),
+                  otlp_ca_file=config.otlp_ca_file, otlp_cert_file=config.otlp_cert_file,
+                  otlp_key_file=config.otlp_key_file)
     metrics_port = -1
     if config.metrics_port >= 0:
         metrics_server, _ = start_http_server(config.metrics_port, addr=config.host)
@@ -149,7 +151,8 @@ def run(service_cls: type[Service], argv: list[str] | None = None) -> None:
     if config.port_file:
         write_port_file(config.port_file, address, metrics_port)
     log.info("bound", address=address, metrics_port=metrics_port, auth="token" if token else "none",
-             tls="mtls" if credentials is not None else "off")
+             tls="mtls" if credentials is not None else "off",
+             otlp=("off" if not config.otlp_endpoint else "tls" if config.otlp_uses_tls() else "plaintext"))
 
     def on_signal(signum, _frame):
         log.info("stopping", signal=signal.Signals(signum).name)

@@ -6,6 +6,9 @@ message headers (``inject_headers`` / ``extract_context``), with the W3C tracepa
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
@@ -15,16 +18,25 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 _provider: TracerProvider | None = None
 
 
-def setup_tracing(service: str, trace_file: str = "", otlp_endpoint: str = "") -> TracerProvider:
-    """Install the process's tracer provider. Spans go to ``trace_file`` as JSON lines and/or OTLP."""
+def setup_tracing(service: str, trace_file: str = "", otlp_endpoint: str = "", *, otlp_tls: bool = False,
+                  otlp_ca_file: str = "", otlp_cert_file: str = "", otlp_key_file: str = "") -> TracerProvider:
+    """Install the process's tracer provider. Spans go to ``trace_file`` as JSON lines and/or OTLP/gRPC.
+
+    OTLP goes in plaintext unless ``otlp_tls``: then over TLS, the collector's certificate checked against
+    ``otlp_ca_file`` (PEM; "" = the system roots), presenting ``otlp_cert_file``/``otlp_key_file`` when given
+    (a collector that requires mTLS). Only our own credentials are used, never the ``OTEL_EXPORTER_OTLP_*``
+    environment. A collector that cannot be reached, or fails the handshake, loses spans, never the service:
+    the exporter logs the failed export and drops the batch."""
     global _provider
-    provider = build_provider(service, trace_file, otlp_endpoint)
+    provider = build_provider(service, trace_file, otlp_endpoint, otlp_tls=otlp_tls, otlp_ca_file=otlp_ca_file,
+                              otlp_cert_file=otlp_cert_file, otlp_key_file=otlp_key_file)
     trace.set_tracer_provider(provider)
     _provider = provider
     return provider
 
 
-def build_provider(service: str, trace_file: str = "", otlp_endpoint: str = "") -> TracerProvider:
+def build_provider(service: str, trace_file: str = "", otlp_endpoint: str = "", *, otlp_tls: bool = False,
+                   otlp_ca_file: str = "", otlp_cert_file: str = "", otlp_key_file: str = "") -> TracerProvider:
     """The tracer provider ``setup_tracing`` installs, not installed (the tracing bench builds several).
 
     With neither export the SDK still records every span (and propagates context); it just drops them.
@@ -39,8 +51,22 @@ def build_provider(service: str, trace_file: str = "", otlp_endpoint: str = "") 
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         except ImportError as e:  # pragma: no cover - deployment option
             raise RuntimeError("OTLP export needs: pip install opentelemetry-exporter-otlp-proto-grpc") from e
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True)))
+        if otlp_tls:
+            exporter = OTLPSpanExporter(endpoint=otlp_endpoint, insecure=False, credentials=otlp_credentials(
+                otlp_ca_file, otlp_cert_file, otlp_key_file))
+        else:
+            exporter = OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True)
+        provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider
+
+
+def otlp_credentials(ca_file: str = "", cert_file: str = "", key_file: str = "") -> grpc.ChannelCredentials:
+    """TLS credentials for the OTLP channel from PEM files ("" = the system roots / no client certificate)."""
+    def read(path: str) -> bytes | None:
+        return Path(path).read_bytes() if path else None
+
+    return grpc.ssl_channel_credentials(root_certificates=read(ca_file), private_key=read(key_file),
+                                        certificate_chain=read(cert_file))
 
 
 def shutdown_tracing() -> None:
