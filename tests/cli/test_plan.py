@@ -134,6 +134,30 @@ def test_dry_run_shows_domain_knobs_eval_and_overrides(temper, tmp_path):
     assert "job timeout 600 s" in out
 
 
+def test_step_labels_table_in_the_plan_and_config_show(temper, tmp_path):
+    job = tmp_path / "job.toml"
+    job.write_text('[job]\nsteps = 2\n[job.step_labels]\nbudget = 512\nk = 3\nlabel = "hard"\ndelimiter = "\\n"\n'
+                   '[model]\npreset = "tiny"\n')
+    code, out, err = temper("run", "--dry-run", "--config", str(job))
+    assert code == 0, err
+    assert ('labels    `temper prm label/grow` step labels: budget 512 rollouts, k 3 per step prefix, hard labels, '
+            'threshold 1, 2..64 steps, delimiter "\\n" ([job.step_labels] sets k, budget, label, delimiter') in out
+    code, out, err = temper("config", "show", "--config", str(job))
+    assert code == 0, err
+    shown = tomllib.loads(out)["job"]["step_labels"]
+    assert shown == {"k": 3, "budget": 512, "label": "hard", "threshold": 1.0, "min_steps": 2, "max_steps": 64,
+                     "delimiter": "\n"}
+    assert _line(out, "job.step_labels", "budget").endswith("# file")
+    assert _line(out, "job.step_labels", "threshold").endswith("# default")
+    code, out, _ = temper("config", "show")  # no table: the defaults, delimiter the reward config's
+    assert "# delimiter is unset  (default: each domain's [reward.domains.NAME].step_delimiter" in out
+    job.write_text('[job]\nsteps = 2\n[job.step_labels]\nbudget = 512\nrollouts = 3\n')
+    for argv in (["run", "--dry-run"], ["config", "show"]):
+        code, out, err = temper(*argv, "--config", str(job))
+        assert code == 1 and "job.step_labels.rollouts: unknown key; allowed: k, budget, label," in err, err
+        assert "Traceback" not in err and not out
+
+
 def test_dry_run_of_a_model_folder_describes_it(temper, tmp_path):
     from temper.models.tiny import build_tiny_model
 

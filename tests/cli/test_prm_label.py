@@ -68,16 +68,19 @@ def write_export(path, n: int) -> dict[str, str]:
 @pytest.mark.slow  # runs the `temper` command, which starts a broker, inference and reward
 def test_labels_through_the_real_services(tmp_path):
     config = tmp_path / "job.toml"
-    config.write_text(CONFIG)
+    # the job budgets its labelling: no --k / --budget flag below
+    config.write_text(CONFIG + "[job.step_labels]\nk = 3\nbudget = 20\n")
     export, out = tmp_path / "export.jsonl", tmp_path / "labels.jsonl"
     kinds = write_export(export, 6)
     # 3 steps -> 2 prefixes x k=3 = 6 rollouts a trajectory; a budget of 20 labels 3 of the 6
-    r = _temper(tmp_path / "home", "--config", str(config), "prm", "label", "--from", str(export), "--out", str(out),
-                "--k", "3", "--budget", "20")
+    r = _temper(tmp_path / "home", "--config", str(config), "prm", "label", "--from", str(export), "--out", str(out))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert summary["labelled"] == 3 and summary["rollouts"] == 18 <= summary["budget"] == 20
     assert summary["skipped"]["over_budget"] == 3 and summary["via"] == "services started for this command"
+    assert summary["settings"] == {"k": 3, "budget": 20, "label": "soft", "threshold": 1.0, "min_steps": 2,
+                                   "max_steps": 64, "delimiter": {"toy.copy": " "}}  # the [reward.domains.toy] split
+    assert summary["settings_sources"]["budget"] == summary["settings_sources"]["k"] == "job.step_labels"
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 3
     for rec in records:
@@ -87,6 +90,7 @@ def test_labels_through_the_real_services(tmp_path):
         prov = rec["provenance"]
         assert prov["job_id"] == "job-x" and prov["policy_version"] == 2 and prov["rollout_policy_version"] == 0
         assert (prov["verifier"], prov["k"], prov["delimiter"], prov["rollouts"]) == ("exact_answer", 3, " ", 6)
+        assert (prov["budget"], prov["min_steps"], prov["max_steps"]) == (20, 2, 64)
     assert not (tmp_path / "home" / "state.json").exists()  # nothing of the command's own stack left in --home
 
 
@@ -113,7 +117,7 @@ def test_bad_options_are_refused_before_anything_starts(tmp_path, capsys):
 @pytest.mark.slow  # runs the `temper` command: a broker, inference and reward, then trains a PRM
 def test_grow_labels_trains_and_evaluates_a_prm(tmp_path):
     config = tmp_path / "job.toml"
-    config.write_text(CONFIG)
+    config.write_text(CONFIG + "[job.step_labels]\nbudget = 6\nthreshold = 0.5\n")  # --budget overrides the table's
     export, out = tmp_path / "export.jsonl", tmp_path / "grown"
     write_export(export, 8)
     r = _temper(tmp_path / "home", "--config", str(config), "prm", "grow", "--from", str(export), "--out", str(out),
@@ -121,6 +125,10 @@ def test_grow_labels_trains_and_evaluates_a_prm(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     result = json.loads((out / "grow.json").read_text())
     assert result["label"]["labelled"] == 8 and result["label"]["rollouts"] == 32
+    assert (result["label"]["budget"], result["label"]["settings"]["threshold"]) == (32, 0.5)
+    assert result["label"]["settings_sources"] == {"k": "flag --k", "budget": "flag --budget", "label": "default",
+                                                   "threshold": "job.step_labels", "min_steps": "default",
+                                                   "max_steps": "default", "delimiter": "default"}
     held = [json.loads(line) for line in (out / "heldout.jsonl").read_text().splitlines()]
     train = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
     assert len(held) == 2 and len(train) == 6 and not {r["task_id"] for r in held} & {r["task_id"] for r in train}
@@ -130,6 +138,23 @@ def test_grow_labels_trains_and_evaluates_a_prm(tmp_path):
     assert len(result["train"]["loss_per_epoch"]) == 2
     assert (out / "prm" / "config.json").exists() and (out / "policy" / "config.json").exists()  # a PRM the service loads
     assert "temper reward load --prm" in result["register"]  # not asked to register: says how
+
+
+def test_a_bad_step_labels_table_is_refused_before_anything_starts(tmp_path, capsys):
+    export = tmp_path / "export.jsonl"
+    write_export(export, 2)
+    config = tmp_path / "job.toml"
+    for table, field in [("budget = 0", "job.step_labels.budget: must be >= 1"),
+                         ('label = "fuzzy"', "job.step_labels.label: one of soft, hard"),
+                         ("rollouts = 4", "job.step_labels.rollouts: unknown key; allowed: k, budget,"),
+                         ('delimiter = "\\n"', "job.step_labels.delimiter: '\\n' splits none")]:
+        config.write_text(CONFIG + f"[job.step_labels]\n{table}\n")
+        for command in ("label", "grow"):
+            rc = main(["--home", str(tmp_path / "home"), "--config", str(config), "prm", command, "--from", str(export),
+                       "--out", str(tmp_path / "o" / "out")])
+            err = capsys.readouterr().err
+            assert rc == 1 and field in err and "Traceback" not in err, (table, err)
+    assert not (tmp_path / "o").exists() and not (tmp_path / "home" / "state.json").exists()
 
 
 def test_grow_refuses_bad_options_before_anything_starts(tmp_path, capsys):

@@ -9,12 +9,14 @@ import pytest
 
 from temper.reward.dataset import records_from_group
 from temper.reward.step_labels import (
+    LABEL_DEFAULTS,
     LabelOptions,
     Rollout,
     Rollouts,
     Sampled,
     Verdict,
     label,
+    resolve_settings,
     split_heldout,
     step_accuracy,
     step_auc,
@@ -143,6 +145,36 @@ def test_bad_options_are_refused_before_any_rollout(options, field):
         label([sampled()], gen, verifier, options)
     assert e.value.field == field
     assert gen.calls == []
+
+
+def test_settings_come_from_the_flag_else_the_job_table_else_the_default():
+    table = {"k": 3, "budget": 12, "label": "hard", "delimiter": {"toy.copy": " "}}
+    values, sources = resolve_settings(table, {"k": 5, "budget": None, "threshold": 0.5, "delimiter": None})
+    assert values == {"k": 5, "budget": 12, "label": "hard", "threshold": 0.5, "min_steps": 2, "max_steps": 64,
+                      "delimiter": {"toy.copy": " "}}
+    assert sources == {"k": "flag --k", "budget": "job.step_labels", "label": "job.step_labels",
+                       "threshold": "flag --threshold", "min_steps": "default", "max_steps": "default",
+                       "delimiter": "job.step_labels"}
+    assert resolve_settings(None, {}) == (LABEL_DEFAULTS, dict.fromkeys(LABEL_DEFAULTS, "default"))
+
+
+@pytest.mark.parametrize("table, flags, field, allowed", [
+    ({"budgett": 5}, {}, "job.step_labels.budgett", "allowed: k, budget, label, threshold, min_steps, max_steps"),
+    ({"budget": 0}, {}, "job.step_labels.budget", "must be >= 1"),
+    ({"budget": "512"}, {}, "job.step_labels.budget", "must be an integer"),
+    ({"k": True}, {}, "job.step_labels.k", "must be an integer"),
+    ({"label": "fuzzy"}, {}, "job.step_labels.label", "one of soft, hard"),
+    ({"threshold": 1.5}, {}, "job.step_labels.threshold", "(0, 1]"),
+    ({"min_steps": 4, "max_steps": 3}, {}, "job.step_labels.max_steps", ">= min_steps (4)"),
+    ({"delimiter": ""}, {}, "job.step_labels.delimiter", "non-empty string"),
+    ({"delimiter": {"toy.copy": 1}}, {}, "job.step_labels.delimiter.toy.copy", "non-empty string"),
+    ({"budget": 10}, {"budget": 0}, "--budget", "must be >= 1"),  # the flag set the bad value: named as the flag
+    ({"max_steps": 3}, {"min_steps": 4}, "job.step_labels.max_steps", ">= min_steps (4)"),
+])
+def test_bad_settings_are_refused_naming_the_table_key_or_flag(table, flags, field, allowed):
+    with pytest.raises(InvalidArgument) as e:
+        resolve_settings(table, flags)
+    assert e.value.field == field and allowed in e.value.message, str(e.value)
 
 
 def test_records_are_what_the_prm_trainer_reads(tmp_path):

@@ -1,9 +1,10 @@
 """What `temper run` will do, worked out and checked before anything starts.
 
-``make_plan`` is the one validation of a run: the ``[job]`` table, the held-out sets, the ``[model]``
-table, and every service's configuration as the launcher will start it (its ``[<service>]`` table,
-``TEMPER_<SERVICE>_<FIELD>`` environment, the launcher's flags), loaded with the services' own config
-classes (``temper.runtime.config.load_config``). `temper run` calls it and then starts the plan;
+``make_plan`` is the one validation of a run: the ``[job]`` table (with ``[job.step_labels]``, the
+settings of `temper prm label`), the held-out sets, the ``[model]`` table, and every service's
+configuration as the launcher will start it (its ``[<service>]`` table, ``TEMPER_<SERVICE>_<FIELD>``
+environment, the launcher's flags), loaded with the services' own config classes
+(``temper.runtime.config.load_config``). `temper run` calls it and then starts the plan;
 `temper run --dry-run` prints it (``render_plan``) and `temper config show` prints the resolved
 configuration with the source of every value (``render_config``): one path, so a mistake reads the
 same in all three, naming the file, table and key.
@@ -32,6 +33,7 @@ def job_spec(table: dict, source: Path, steps: int = 0, seed: int | None = None)
     from temper import tasks
 
     table = dict(table)
+    table.pop("step_labels", None)  # `temper prm label`'s settings, not the scheduler's (step_label_settings)
     if isinstance(table.get("domain_config"), dict):  # dataset paths are relative to the job file's folder
         table["domain_config"] = tasks.resolve_paths(table["domain_config"], Path(source).parent)
     if steps:
@@ -42,13 +44,25 @@ def job_spec(table: dict, source: Path, steps: int = 0, seed: int | None = None)
     unknown = sorted(set(table) - set(allowed))
     if unknown:
         named = ", ".join(f"job.{k}" for k in unknown)
-        raise ValueError(f"{source}: [job] has unknown key(s) {named}; allowed: {', '.join(allowed)}")
+        raise ValueError(f"{source}: [job] has unknown key(s) {named}; allowed: {', '.join([*allowed, 'step_labels'])}")
     try:
         spec = JobSpec.from_dict(table)
         spec.validate()
     except InvalidArgument as e:
         raise ValueError(f"{source}: [job] {e}") from None
     return spec
+
+
+def step_label_settings(table: dict, source: Path) -> tuple[dict, dict]:
+    """The [job.step_labels] table resolved (values, sources) as `temper prm label` uses it without flags; a
+    mistake is a ValueError naming the file and ``job.step_labels.KEY``."""
+    from temper.reward.step_labels import resolve_settings
+    from temper.runtime.errors import InvalidArgument
+
+    try:
+        return resolve_settings(table.get("step_labels"), {})
+    except InvalidArgument as e:
+        raise ValueError(f"{source}: {e}") from None
 
 
 @dataclass
@@ -73,6 +87,8 @@ class Plan:
     start_timeout: float = 0.0
     job_timeout: float = 0.0
     runs: Path = Path("runs")
+    step_labels: dict[str, Any] = field(default_factory=dict)         # [job.step_labels] resolved (temper prm)
+    step_label_sources: dict[str, str] = field(default_factory=dict)  # key -> default | job.step_labels
 
 
 def make_plan(launcher: Launcher, steps: int = 0, seed: int | None = None, start_timeout: float = 0.0,
@@ -87,6 +103,7 @@ def make_plan(launcher: Launcher, steps: int = 0, seed: int | None = None, start
     source = launcher.config_path
     job_table = table.get("job", {})
     spec = job_spec(job_table, source, steps, seed)
+    step_labels, step_label_sources = step_label_settings(job_table, source)
     # refused before anything starts: held-out sets that overlap training, a model the job cannot use
     spec.eval_sets()
     job_sources = {f.name: "file" if f.name in job_table else "default" for f in dataclasses.fields(spec)}
@@ -104,7 +121,8 @@ def make_plan(launcher: Launcher, steps: int = 0, seed: int | None = None, start
         raise ValueError(f"{source}: job.chat_template: {what} has no chat template")
     built = (model.dir / TINY_MARKER).exists() if model.preset == "tiny" else True
     plan = Plan(source, launcher.home, table, spec, job_sources, model, built, waves=waves(list(SERVICES)),
-                start_timeout=start_timeout, job_timeout=job_timeout, runs=Path(runs))
+                start_timeout=start_timeout, job_timeout=job_timeout, runs=Path(runs), step_labels=step_labels,
+                step_label_sources=step_label_sources)
     errors = []
     for name in SERVICES:
         cls = config_class(name)
@@ -198,6 +216,20 @@ def render_plan(plan: Plan) -> str:
                      f"{when}and at the end")
     else:
         lines.append("eval      none (job.eval.size = 0)")
+    sl = plan.step_labels
+    if sl["delimiter"] is None:
+        delimiter = "each domain's [reward] delimiter"
+    elif isinstance(sl["delimiter"], str):
+        delimiter = json.dumps(sl["delimiter"])
+    else:
+        delimiter = (", ".join(f"{d} {json.dumps(v)}" for d, v in sl["delimiter"].items())
+                     + "; other domains: their [reward] delimiter")
+    given = [k for k, v in plan.step_label_sources.items() if v != "default"]
+    lines.append(f"labels    `temper prm label/grow` step labels: budget {sl['budget']} rollouts, k {sl['k']} per step "
+                 f"prefix, {sl['label']} labels, threshold {sl['threshold']:g}, {sl['min_steps']}..{sl['max_steps']} "
+                 f"steps, delimiter {delimiter} ("
+                 + (f"[job.step_labels] sets {', '.join(given)}" if given else "defaults: no [job.step_labels]")
+                 + "; flags override)")
     job_timeout = f"{plan.job_timeout:g} s" if plan.job_timeout and math.isfinite(plan.job_timeout) else "none"
     lines.append(f"budget    start-up timeout {plan.start_timeout:g} s; job timeout {job_timeout} "
                  f"(--timeout, --job-timeout)")
@@ -263,6 +295,11 @@ def render_config(plan: Plan) -> str:
     job = dataclasses.asdict(plan.spec)
     job.pop("job_id")
     out += toml_table(["job"], job, plan.job_sources)
+    notes = {k: "file" if v == "job.step_labels" else v for k, v in plan.step_label_sources.items()}
+    if plan.step_labels["delimiter"] is None:
+        notes["delimiter"] += ": each domain's [reward.domains.NAME].step_delimiter, else [reward].prm_step_delimiter"
+    out += ["", *toml_table(["job", "step_labels"], plan.step_labels, notes,
+                            header_note="temper prm label / grow; their flags override")]
     model_table = dict(plan.table.get("model", {}))
     notes = {k: "file" for k in model_table}
     if plan.model.preset == "tiny":

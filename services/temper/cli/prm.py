@@ -3,6 +3,10 @@ inference and reward services (``temper.reward.step_labels`` has the method; thi
 
   python -m temper.reward.dataset --kafka-bootstrap HOST:PORT --out export.jsonl   # the job's scored stream
   temper prm label --from export.jsonl --out labels.jsonl --k 4 --budget 256 [--job NAME | --config FILE]
+
+The labelling settings (k, budget, label, threshold, min_steps, max_steps, delimiter) come from the job's
+``[job.step_labels]`` table, each overridden by its flag when given (``label_settings``); the summary
+(and grow.json) records them with their sources, every record's provenance the budget and k it was made with.
   python -m temper.reward.train --data labels.jsonl --base POLICY --out prm/        # the PRM trainer reads them
   temper prm grow --from export.jsonl --out grown/ --register   # all of it, then LoadModel into the running stack
 
@@ -52,18 +56,33 @@ def read_export(path: Path, max_trajectories: int = 0) -> list:
     return out[:max_trajectories] if max_trajectories > 0 else out
 
 
-def delimiter_option(raw: str | None, config_path: Path):
-    """--delimiter (backslash escapes read: "\\n" is a newline), else each domain's own delimiter from the
-    job's [reward] tables (``[reward.domains.NAME].step_delimiter``, else ``prm_step_delimiter``): the split
-    the reward service's PRM uses."""
-    if raw is not None:
-        return codecs.decode(raw, "unicode_escape") if "\\" in raw else raw
+def label_settings(args, job: dict) -> tuple[dict, dict]:
+    """(values, sources) of the labelling settings: each flag given, else the job's ``[job.step_labels]``, else
+    the built-in default (``temper.reward.step_labels.resolve_settings``); --delimiter's backslash escapes
+    read ("\\n" is a newline; a TOML string has its own escapes)."""
+    from temper.reward.step_labels import LABEL_DEFAULTS, resolve_settings
+
+    flags = {key: getattr(args, key) for key in LABEL_DEFAULTS if key != "delimiter"}
+    raw = args.delimiter
+    flags["delimiter"] = codecs.decode(raw, "unicode_escape") if raw is not None and "\\" in raw else raw
+    return resolve_settings(job.get("step_labels"), flags)
+
+
+def delimiter_option(value, config_path: Path):
+    """The step delimiter: ``value`` when a string; else each domain's own, from ``value`` when a table
+    domain -> delimiter naming it, else from the job's [reward] tables (``[reward.domains.NAME].step_delimiter``,
+    else ``prm_step_delimiter``): the split the reward service's PRM uses."""
+    if isinstance(value, str):
+        return value
     from temper.reward.config import RewardConfig
     from temper.runtime.config import load_config
 
     settings = load_config(RewardConfig, ["--config", str(config_path)]).reward_settings()
+    given = value or {}
 
     def of(domain: str) -> str:
+        if domain in given:
+            return given[domain]
         found = settings.domain_spec(domain)
         return found[1].step_delimiter or settings.prm_step_delimiter if found else settings.prm_step_delimiter
 
@@ -99,17 +118,19 @@ def _label(args, out: Path, keep_policy: Path | None = None) -> tuple[dict, list
     """Labels ``--from`` into ``out`` (JSON lines); the run's summary and its records. ``keep_policy``: where
     to copy the policy folder when it lives in this command's own stack (gone once the stack stops)."""
     from temper.cli.main import _launcher
-    from temper.reward.step_labels import LabelOptions, check_delimiters
+    from temper.reward.step_labels import LabelOptions, check_delimiters, field_of
 
     launcher = _launcher(args)
     job = launcher.config().get("job", {})
+    # every refusal (a budget of 0, a bad [job.step_labels] key, a delimiter that never occurs, ...) before
+    # anything heavy loads or starts
+    settings, sources = label_settings(args, job)
     trajectories = read_export(Path(args.from_), args.max_trajectories)
-    options = LabelOptions(k=args.k, budget=args.budget, delimiter=delimiter_option(args.delimiter, launcher.config_path),
-                           threshold=args.threshold, label_kind=args.label, min_steps=args.min_steps,
-                           max_steps=args.max_steps)
-    # every refusal (a budget of 0, a delimiter that never occurs, ...) before anything heavy loads or starts
-    options.check()
-    check_delimiters(trajectories, options)
+    options = LabelOptions(k=settings["k"], budget=settings["budget"],
+                           delimiter=delimiter_option(settings["delimiter"], launcher.config_path),
+                           threshold=settings["threshold"], label_kind=settings["label"],
+                           min_steps=settings["min_steps"], max_steps=settings["max_steps"])
+    check_delimiters(trajectories, options, field_of(sources)("delimiter"))
     import grpc
     from transformers import AutoTokenizer
 
@@ -173,8 +194,11 @@ def _label(args, out: Path, keep_policy: Path | None = None) -> tuple[dict, list
     with open(out, "w") as f:
         for rec in run.records:
             f.write(json.dumps(rec) + "\n")
+    used = {**settings, "delimiter": options.delimiter if isinstance(options.delimiter, str)
+            else {d: options.delimiter_of(d) for d in sorted({s.task.domain for s in trajectories})}}
     summary = {**run.summary(options.budget), "out": str(out), "from": str(args.from_), "k": options.k,
-               "label": options.label_kind, "model": str(model_dir), "via": where, "trajectories": len(trajectories)}
+               "label": options.label_kind, "model": str(model_dir), "via": where, "trajectories": len(trajectories),
+               "settings": used, "settings_sources": sources}
     return summary, run.records
 
 
@@ -204,7 +228,7 @@ def cmd_prm_grow(args) -> int:
     summary, records = _label(args, out / "labels.jsonl", keep_policy=out / "policy")
     if len({r["task_id"] for r in records}) < 2:
         raise ValueError(f"labelled {len(records)} trajectories of fewer than 2 tasks: nothing to hold out "
-                         "(raise --budget, or give more trajectories)")
+                         "(raise the budget: --budget or [job.step_labels] budget; or give more trajectories)")
 
     from temper.reward.models import RewardModelEngine
     from temper.reward.step_labels import split_heldout, step_accuracy, step_auc
@@ -270,19 +294,21 @@ def _label_options(la) -> None:
     import argparse
 
     la.add_argument("--from", dest="from_", required=True, help="a dataset export (python -m temper.reward.dataset)")
-    la.add_argument("--k", type=int, default=4, help="rollouts per step prefix")
-    la.add_argument("--budget", type=int, default=256, help="most rollouts of this run (a trajectory of S steps "
-                    "costs k x (S - 1))")
+    # the labelling settings: a flag given overrides the job's [job.step_labels]; neither: the default shown
+    la.add_argument("--k", type=int, default=None, help="rollouts per step prefix (default 4)")
+    la.add_argument("--budget", type=int, default=None, help="most rollouts of this run (a trajectory of S steps "
+                    "costs k x (S - 1)); default 256")
     la.add_argument("--delimiter", default=None, help='step delimiter, escapes read ("\\n"); default: each '
                     "domain's [reward.domains.NAME].step_delimiter, else [reward].prm_step_delimiter")
-    la.add_argument("--label", default="soft", choices=["soft", "hard"], help="what step_labels holds (both are kept)")
-    la.add_argument("--threshold", type=float, default=1.0, help="a completion is correct when its verifier label "
-                    "is >= this")
-    la.add_argument("--min-steps", type=int, default=2, help="trajectories with fewer steps are skipped")
-    la.add_argument("--max-steps", type=int, default=64, help="trajectories with more steps are skipped")
+    la.add_argument("--label", default=None, choices=["soft", "hard"], help="what step_labels holds (both are "
+                    "kept); default soft")
+    la.add_argument("--threshold", type=float, default=None, help="a completion is correct when its verifier label "
+                    "is >= this (default 1.0)")
+    la.add_argument("--min-steps", type=int, default=None, help="trajectories with fewer steps are skipped (default 2)")
+    la.add_argument("--max-steps", type=int, default=None, help="trajectories with more steps are skipped (default 64)")
     la.add_argument("--max-trajectories", type=int, default=0, help="read at most this many from --from (0: all)")
-    la.add_argument("--job", default=None, help="take the services' config and the sampling settings from this "
-                    "shipped job")
+    la.add_argument("--job", default=None, help="take the services' config, the sampling settings and "
+                    "[job.step_labels] from this shipped job (--config FILE: from that file)")
     la.add_argument("--model", default="", help="policy folder to roll out with (default: the job's model, or the "
                     "running stack's policy)")
     la.add_argument("--max-tokens", type=int, default=0, help="per rollout (default: the job's max_tokens)")

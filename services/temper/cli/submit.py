@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.config, "rb") as f:
         config = tomllib.load(f)
     job = dict(config.get("job", {}))
+    job.pop("step_labels", None)  # `temper prm label`'s settings, not the scheduler's
     if args.job_id:
         job["job_id"] = args.job_id
     spec = JobSpec(**job)

@@ -19,7 +19,10 @@ trajectory unlabelled (an unknown outcome is not a label).
 The records are process records of ``temper.reward.train`` (``prompt``, ``steps``, ``step_labels``:
 the soft or the hard labels, ``label_kind`` says which; both are kept) with their provenance: the
 trajectory's job, group, task and trajectory ids, the policy version that sampled it and the one
-that rolled out, the verifier, k, the delimiter and the threshold.
+that rolled out, the verifier, k, the delimiter, the threshold and the run's budget and step bounds.
+
+The settings of a run (``resolve_settings``) come, each on its own, from its command-line flag when
+given, else the job's ``[job.step_labels]`` table, else ``LABEL_DEFAULTS``: a job budgets its labelling.
 """
 
 from __future__ import annotations
@@ -84,6 +87,67 @@ Generate = Callable[[common_pb2.Task, list[str], int], Rollouts]
 Score = Callable[[common_pb2.Task, list[Rollout]], list[Verdict]]
 
 
+STEP_LABELS_TABLE = "job.step_labels"
+# the [job.step_labels] keys and their built-in defaults; delimiter None: each domain's own (the reward config's)
+LABEL_DEFAULTS: dict = {"k": 4, "budget": 256, "label": "soft", "threshold": 1.0, "min_steps": 2, "max_steps": 64,
+                        "delimiter": None}
+LABEL_KINDS = ("soft", "hard")
+_INTEGERS = ("k", "budget", "min_steps", "max_steps")
+
+
+def flag_name(key: str) -> str:
+    """The command-line flag of a setting: ``min_steps`` -> ``--min-steps``."""
+    return "--" + key.replace("_", "-")
+
+
+def check_table(table) -> dict:
+    """The ``[job.step_labels]`` table with its types checked (ranges: ``LabelOptions.check``); a mistake is
+    InvalidArgument naming ``job.step_labels.KEY`` and what it allows. ``delimiter``: a string, or a table
+    domain -> string (a domain it does not name keeps the reward config's delimiter)."""
+    require(isinstance(table, dict), STEP_LABELS_TABLE, "must be a table")
+    for key in sorted(table):
+        require(key in LABEL_DEFAULTS, f"{STEP_LABELS_TABLE}.{key}", f"unknown key; allowed: {', '.join(LABEL_DEFAULTS)}")
+    for key, v in table.items():
+        name = f"{STEP_LABELS_TABLE}.{key}"
+        if key in _INTEGERS:
+            require(isinstance(v, int) and not isinstance(v, bool), name, f"must be an integer, got {v!r}")
+        elif key == "threshold":
+            require(isinstance(v, int | float) and not isinstance(v, bool), name, f"must be a number, got {v!r}")
+        elif key == "label":
+            require(v in LABEL_KINDS, name, f"one of {', '.join(LABEL_KINDS)}, got {v!r}")
+        elif isinstance(v, dict):  # delimiter per domain
+            for domain, d in v.items():
+                require(isinstance(d, str) and d != "", f"{name}.{domain}", f"must be a non-empty string, got {d!r}")
+        else:
+            require(isinstance(v, str) and v != "", name,
+                    f"a non-empty string or a table domain -> string, got {v!r}")
+    return dict(table)
+
+
+def resolve_settings(table, flags: dict) -> tuple[dict, dict]:
+    """(values, sources) of every ``LABEL_DEFAULTS`` key: its flag when given (``flags[key]`` not None), else the
+    ``[job.step_labels]`` ``table``'s value, else the default; sources say which (``flag --k``,
+    ``job.step_labels``, ``default``). Checked whole (``LabelOptions.check``): an error names the flag or the
+    table key the bad value came from."""
+    table = check_table(table if table is not None else {})
+    values, sources = {}, {}
+    for key, default in LABEL_DEFAULTS.items():
+        if flags.get(key) is not None:
+            values[key], sources[key] = flags[key], f"flag {flag_name(key)}"
+        elif key in table:
+            values[key], sources[key] = table[key], STEP_LABELS_TABLE
+        else:
+            values[key], sources[key] = default, "default"
+    LabelOptions(k=values["k"], budget=values["budget"], threshold=values["threshold"], label_kind=values["label"],
+                 min_steps=values["min_steps"], max_steps=values["max_steps"]).check(field_of(sources))
+    return values, sources
+
+
+def field_of(sources: dict) -> Callable[[str], str]:
+    """setting -> the name an error gives it: its flag when the flag set it, else ``job.step_labels.KEY``."""
+    return lambda key: flag_name(key) if sources.get(key, "").startswith("flag") else f"{STEP_LABELS_TABLE}.{key}"
+
+
 @dataclass(frozen=True)
 class LabelOptions:
     k: int = 4
@@ -97,13 +161,14 @@ class LabelOptions:
     def delimiter_of(self, domain: str) -> str:
         return self.delimiter(domain) if callable(self.delimiter) else self.delimiter
 
-    def check(self) -> None:
-        require(self.k >= 1, "--k", f"must be >= 1, got {self.k}")
-        require(self.budget >= 1, "--budget", f"must be >= 1 rollout, got {self.budget}")
-        require(0 < self.threshold <= 1, "--threshold", f"must be in (0, 1], got {self.threshold}")
-        require(self.label_kind in ("soft", "hard"), "--label", f"soft or hard, got {self.label_kind!r}")
-        require(self.min_steps >= 1, "--min-steps", f"must be >= 1, got {self.min_steps}")
-        require(self.max_steps >= self.min_steps, "--max-steps", f"must be >= min_steps ({self.min_steps})")
+    def check(self, field: Callable[[str], str] = flag_name) -> None:
+        """``field``: a setting's name in the error (default: its flag; ``field_of``: its flag or table key)."""
+        require(self.k >= 1, field("k"), f"must be >= 1, got {self.k}")
+        require(self.budget >= 1, field("budget"), f"must be >= 1 rollout, got {self.budget}")
+        require(0 < self.threshold <= 1, field("threshold"), f"must be in (0, 1], got {self.threshold}")
+        require(self.label_kind in LABEL_KINDS, field("label"), f"soft or hard, got {self.label_kind!r}")
+        require(self.min_steps >= 1, field("min_steps"), f"must be >= 1, got {self.min_steps}")
+        require(self.max_steps >= self.min_steps, field("max_steps"), f"must be >= min_steps ({self.min_steps})")
 
 
 @dataclass
@@ -127,7 +192,7 @@ def steps_of(sampled: Sampled, delimiter: str) -> list[str]:
     return split_steps(sampled.task.metadata.get("response_prefix", "") + sampled.completion, delimiter)
 
 
-def check_delimiters(trajectories: Sequence[Sampled], options: LabelOptions) -> None:
+def check_delimiters(trajectories: Sequence[Sampled], options: LabelOptions, field: str = "--delimiter") -> None:
     """Refuses (naming ``delimiter``) a delimiter that occurs in none of the completions: nothing could be labelled."""
     by_domain: dict[str, list[Sampled]] = {}
     for s in trajectories:
@@ -135,8 +200,8 @@ def check_delimiters(trajectories: Sequence[Sampled], options: LabelOptions) -> 
     require(bool(by_domain), "--from", "no outcome records with a task to label")
     for domain, items in by_domain.items():
         d = options.delimiter_of(domain)
-        require(bool(d), "--delimiter", f"empty step delimiter for domain {domain!r}")
-        require(any(len(steps_of(s, d)) > 1 for s in items), "--delimiter",
+        require(bool(d), field, f"empty step delimiter for domain {domain!r}")
+        require(any(len(steps_of(s, d)) > 1 for s in items), field,
                 f"{d!r} splits none of the {len(items)} completions of domain {domain!r} into two steps")
 
 
@@ -194,7 +259,9 @@ def label(trajectories: Sequence[Sampled], generate: Generate, score: Score, opt
             "provenance": {"job_id": sampled.job_id, "policy_version": sampled.policy_version,
                            "rollout_policy_version": rolled.policy_version,
                            "verifier": verdicts[-1].verifier, "k": k, "delimiter": delimiter,
-                           "threshold": options.threshold, "rollouts": cost, "method": "math-shepherd"}})
+                           "threshold": options.threshold, "rollouts": cost, "method": "math-shepherd",
+                           "budget": options.budget, "min_steps": options.min_steps,
+                           "max_steps": options.max_steps}})
         if log is not None:
             log(f"{sampled.trajectory_id or sampled.task.task_id}: {len(steps)} steps, soft {soft}")
     run.seconds = time.monotonic() - t0
