@@ -148,6 +148,11 @@ def test_step_labels_table_in_the_plan_and_config_show(temper, tmp_path):
     assert shown == {"k": 3, "budget": 512, "label": "hard", "threshold": 1.0, "min_steps": 2, "max_steps": 64,
                      "delimiter": "\n"}
     assert _line(out, "job.step_labels", "budget").endswith("# file")
+    plain = tmp_path / "plain.toml"
+    plain.write_text('[job]\nsteps = 2\n[model]\npreset = "tiny"\n')
+    code, plain_out, err = temper("run", "--dry-run", "--config", str(plain))
+    assert code == 0, err
+    assert "labels    " not in plain_out  # a job that labels no steps is not told about labelling
     assert _line(out, "job.step_labels", "threshold").endswith("# default")
     code, out, _ = temper("config", "show")  # no table: the defaults, delimiter the reward config's
     assert "# delimiter is unset  (default: each domain's [reward.domains.NAME].step_delimiter" in out

@@ -217,19 +217,19 @@ def render_plan(plan: Plan) -> str:
     else:
         lines.append("eval      none (job.eval.size = 0)")
     sl = plan.step_labels
-    if sl["delimiter"] is None:
-        delimiter = "each domain's [reward] delimiter"
-    elif isinstance(sl["delimiter"], str):
-        delimiter = json.dumps(sl["delimiter"])
-    else:
-        delimiter = (", ".join(f"{d} {json.dumps(v)}" for d, v in sl["delimiter"].items())
-                     + "; other domains: their [reward] delimiter")
     given = [k for k, v in plan.step_label_sources.items() if v != "default"]
-    lines.append(f"labels    `temper prm label/grow` step labels: budget {sl['budget']} rollouts, k {sl['k']} per step "
-                 f"prefix, {sl['label']} labels, threshold {sl['threshold']:g}, {sl['min_steps']}..{sl['max_steps']} "
-                 f"steps, delimiter {delimiter} ("
-                 + (f"[job.step_labels] sets {', '.join(given)}" if given else "defaults: no [job.step_labels]")
-                 + "; flags override)")
+    if given:  # a job that does not label steps gets no line about it
+        if sl["delimiter"] is None:
+            delimiter = "each domain's [reward] delimiter"
+        elif isinstance(sl["delimiter"], str):
+            delimiter = json.dumps(sl["delimiter"])
+        else:
+            delimiter = (", ".join(f"{d} {json.dumps(v)}" for d, v in sl["delimiter"].items())
+                         + "; other domains: their [reward] delimiter")
+        lines.append(f"labels    `temper prm label/grow` step labels: budget {sl['budget']} rollouts, k {sl['k']} per "
+                     f"step prefix, {sl['label']} labels, threshold {sl['threshold']:g}, "
+                     f"{sl['min_steps']}..{sl['max_steps']} steps, delimiter {delimiter} "
+                     f"([job.step_labels] sets {', '.join(given)}; flags override)")
     job_timeout = f"{plan.job_timeout:g} s" if plan.job_timeout and math.isfinite(plan.job_timeout) else "none"
     lines.append(f"budget    start-up timeout {plan.start_timeout:g} s; job timeout {job_timeout} "
                  f"(--timeout, --job-timeout)")
