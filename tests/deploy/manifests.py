@@ -27,7 +27,7 @@ from referencing import Registry, Resource
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "mtls")
 # the Kubernetes versions every manifest is validated against (strict: unknown fields are errors)
 K8S_VERSIONS = ("1.30.0", "1.32.0")
 # custom resources without a bundled schema: checked structurally by check_strimzi instead
@@ -40,6 +40,9 @@ CONFIG_CLASSES = {"inference": "InferenceConfig", "sandbox": "SandboxConfig", "r
                   "replay": "ReplayConfig", "learner": "LearnerConfig", "scheduler": "SchedulerConfig",
                   "monitor": "MonitorConfig"}
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "Job")
+HEALTH_PROBE = ["python", "-m", "temper.client.health"]  # the probe that can present a client certificate
+# the keys of a kubernetes.io/tls Secret as cert-manager writes it (Kubernetes' contract, not Temper's)
+TLS_SECRET_KEYS = {"ca.crt", "tls.crt", "tls.key"}
 
 
 def kubectl() -> str:
@@ -59,7 +62,8 @@ def render(directory: Path) -> list[dict]:
 def _render(directory: Path) -> list[dict]:
     out = subprocess.run([kubectl(), "kustomize", str(directory)], capture_output=True, text=True, timeout=120)
     if out.returncode != 0:
-        raise AssertionError(f"kustomize {directory.relative_to(REPO)} failed:\n{out.stderr}")
+        where = directory.relative_to(REPO) if directory.is_relative_to(REPO) else directory
+        raise AssertionError(f"kustomize {where} failed:\n{out.stderr}")
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
@@ -303,8 +307,13 @@ def check_pods(objs: list[dict], report: Report) -> None:
                 report.add(obj, f"containers[{c['name']}].args", f"--port must be {port} (the Service's)")
             if flag(args, "--host") != "0.0.0.0":
                 report.add(obj, f"containers[{c['name']}].args", "--host 0.0.0.0 is needed: probes and peers use the pod IP")
+            tls = tls_dir(c) is not None
+            health = [*HEALTH_PROBE, f"127.0.0.1:{port}"]
             for probe in ("readinessProbe", "livenessProbe"):
-                if c.get(probe, {}).get("grpc", {}).get("port") != port:
+                if tls and c.get(probe, {}).get("exec", {}).get("command", [])[:4] != health:
+                    report.add(obj, f"containers[{c['name']}].{probe}", f"must be an exec probe of `{' '.join(health)}` "
+                                                                       "(mTLS: a gRPC probe has no client certificate)")
+                elif not tls and c.get(probe, {}).get("grpc", {}).get("port") != port:
                     report.add(obj, f"containers[{c['name']}].{probe}", f"must be a gRPC health probe on {port}")
 
 
@@ -399,3 +408,135 @@ def check_topology(objs: list[dict], parsed: dict, report: Report) -> None:
             denied |= set(expr.get("values", []))
     for app in sorted(a for a in apps if a.startswith("temper-") and a not in denied):
         report.add("NetworkPolicy/default-deny", "spec.podSelector", f"does not cover app={app}")
+
+
+# -- mTLS -------------------------------------------------------------------------------------
+def tls_dir(container: dict) -> str | None:
+    """The folder a container's ``TEMPER_TLS_DIR`` names (the variable's name as the client code reads it)."""
+    from temper.client.transport import TLS_DIR_ENV
+
+    return next((e.get("value") for e in container.get("env", []) if e["name"] == TLS_DIR_ENV), None)
+
+
+def identity(container: dict) -> str | None:
+    """The TLS identity a Temper container needs: its service, ``submit`` for the CLI image (the submit Job)."""
+    service = service_of(container)
+    return "submit" if service == "cli" else service
+
+
+def check_mtls(objs: list[dict], report: Report) -> dict[str, str]:
+    """Every Temper container serves and calls over mTLS: ``TEMPER_TLS_DIR`` names a read-only mount of its own
+    Secret ``temper-<service>-tls`` holding, under the names the code reads (``TLS_FILES``), the CA, the
+    certificate and the key, readable by the pod's user; gRPC ports probed by exec probes of the health
+    module, with time for its answer. Returns {service: Secret name}."""
+    from temper.client.health import main as _health_main  # noqa: F401 (the probe's module exists)
+    from temper.client.transport import TLS_FILES
+
+    secrets: dict[str, str] = {}
+    for obj, pod in workloads(objs):
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        for c in pod.get("containers", []):
+            name = identity(c)
+            if name is None:
+                continue
+            where = f"containers[{c['name']}]"
+            folder = tls_dir(c)
+            if folder is None:
+                report.add(obj, f"{where}.env", "no TEMPER_TLS_DIR: this service would serve and call in plaintext")
+                continue
+            mount = next((m for m in c.get("volumeMounts", []) if m["mountPath"] == folder), None)
+            secret = volumes.get(mount["name"], {}).get("secret") if mount else None
+            if secret is None:
+                report.add(obj, f"{where}.volumeMounts", f"TEMPER_TLS_DIR={folder} is not a mounted Secret")
+                continue
+            if not mount.get("readOnly"):
+                report.add(obj, f"{where}.volumeMounts[{mount['name']}].readOnly", "must be true")
+            if secret["secretName"] != f"temper-{name}-tls":
+                report.add(obj, f"volumes[{mount['name']}].secret.secretName",
+                           f"{secret['secretName']}: each service mounts its own Secret temper-{name}-tls")
+            if secret["secretName"] in secrets.values() and secrets.get(name) != secret["secretName"]:
+                report.add(obj, f"volumes[{mount['name']}].secret.secretName", f"{secret['secretName']} is shared")
+            secrets[name] = secret["secretName"]
+            items = {i["path"]: i["key"] for i in secret.get("items", [])} or {k: k for k in TLS_SECRET_KEYS}
+            if set(items) != set(TLS_FILES):
+                report.add(obj, f"volumes[{mount['name']}].secret.items", f"mounts {sorted(items)} but the service reads "
+                                                                          f"{sorted(TLS_FILES)} from TEMPER_TLS_DIR")
+            if not set(items.values()) <= TLS_SECRET_KEYS:
+                report.add(obj, f"volumes[{mount['name']}].secret.items",
+                           f"keys {sorted(set(items.values()) - TLS_SECRET_KEYS)} are not in a kubernetes.io/tls Secret")
+            psc = pod.get("securityContext", {})
+            user = (c.get("securityContext", {}).get("runAsUser", psc.get("runAsUser", 0)))
+            mode = secret.get("defaultMode", 0o644)
+            if mode & 0o007:
+                report.add(obj, f"volumes[{mount['name']}].secret.defaultMode", f"{mode:#o}: the key is readable by others")
+            if user != 0 and (psc.get("fsGroup") is None or not mode & 0o040):
+                report.add(obj, "securityContext.fsGroup", f"the Secret's files (mode {mode:#o}, root-owned) are not "
+                                                           f"readable by user {user}: set fsGroup and group read")
+            port = GRPC_PORTS.get(name)
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe") if port else ():
+                spec = c.get(probe)
+                if spec is None:
+                    continue
+                command, health = spec.get("exec", {}).get("command", []), [*HEALTH_PROBE, f"127.0.0.1:{port}"]
+                if "grpc" in spec or command[:4] != health:
+                    report.add(obj, f"{where}.{probe}", f"must be an exec probe of `{' '.join(health)}`")
+                    continue
+                wait = float(flag(command, "--timeout") or 2.0)  # the health module's default
+                if spec.get("timeoutSeconds", 1) <= wait:
+                    report.add(obj, f"{where}.{probe}.timeoutSeconds", f"{spec.get('timeoutSeconds', 1)}s: the check "
+                                                                      f"itself waits up to {wait}s (and starts Python)")
+    return secrets
+
+
+def dialled_names(objs: list[dict], parsed: dict) -> dict[str, set[str]]:
+    """{service: the host names its callers put in their TLS handshake} from the parsed configs and the submit
+    Job's flags, plus 127.0.0.1 for its exec probes."""
+    hosts: dict[str, set[str]] = {s: {"127.0.0.1"} for s in SERVICES}
+
+    def add(service: str, address: str) -> None:
+        hosts[service].add(address.removeprefix("dns:///").rpartition(":")[0])
+
+    if "reward" in parsed:
+        add("sandbox", parsed["reward"].sandbox_address)
+    if "learner" in parsed:
+        add("replay", parsed["learner"].replay_address)
+        for a in parsed["learner"].inference_addresses:
+            add("inference", a)
+    if "scheduler" in parsed:
+        add("inference", parsed["scheduler"].inference_address)
+        add("reward", parsed["scheduler"].reward_address)
+    if "monitor" in parsed:
+        add("scheduler", parsed["monitor"].scheduler_address)
+    for _, pod in workloads(objs):
+        for c in pod["containers"]:
+            if identity(c) == "submit":
+                for service in ("scheduler", "learner"):
+                    if flag(c.get("args", []), f"--{service}"):
+                        add(service, flag(c["args"], f"--{service}"))
+    return hosts
+
+
+def check_certificates(certs: list[dict], secrets: dict[str, str], hosts: dict[str, set[str]], report: Report) -> None:
+    """cert-manager objects (no schema reachable here: checked structurally) that issue every Secret the pods
+    mount, from one CA, for server and client auth, naming every host its callers dial."""
+    by = {(o["kind"], o["metadata"]["name"]): o for o in certs}
+    issued = {o["spec"]["secretName"]: o for o in certs if o["kind"] == "Certificate" and not o["spec"].get("isCA")}
+    issuers = {(o["spec"]["issuerRef"].get("kind", "Issuer"), o["spec"]["issuerRef"]["name"]) for o in issued.values()}
+    if len(issuers) != 1:
+        report.add("Certificate/*", "spec.issuerRef", f"one CA must sign every certificate, got {sorted(issuers)}")
+    for kind, name in issuers:
+        ca = by.get((kind, name), {}).get("spec", {}).get("ca", {}).get("secretName")
+        if not any(o["kind"] == "Certificate" and o["spec"].get("isCA") and o["spec"]["secretName"] == ca for o in certs):
+            report.add(f"{kind}/{name}", "spec.ca.secretName", f"{ca!r} is issued by no CA Certificate here")
+    for service, secret in secrets.items():
+        cert = issued.get(secret)
+        if cert is None:
+            report.add(f"Secret/{secret}", "(object)", "mounted by a pod, issued by no Certificate")
+            continue
+        usages = set(cert["spec"].get("usages", []))
+        if not {"server auth", "client auth"} <= usages:
+            report.add(cert, "spec.usages", f"{sorted(usages)}: needs server auth and client auth")
+        names = set(cert["spec"].get("dnsNames", [])) | set(cert["spec"].get("ipAddresses", []))
+        if hosts.get(service, set()) - names:
+            report.add(cert, "spec.dnsNames",
+                       f"{sorted(hosts[service] - names)} dialled by its callers, not in the certificate")
