@@ -86,8 +86,10 @@ class SchedulerService(Service[SchedulerConfig]):
                     apply_chat_template=s.chat_template, assistant_prefix=s.response_prefix)
 
             answering = self.answering_replicas(len(prompts))
-            if len(answering) <= 1:  # one call over the round_robin channel, as without replicas
+            if not answering:  # one call over the round_robin channel, as without replicas
                 return on(inference)(prompts, seed)
+            if len(answering) == 1:  # the others are down: one call, to the one that answers
+                return on(next(iter(answering.values())))(prompts, seed)
             split = generate_split(prompts, seed, {a: on(c) for a, c in answering.items()}, _retryable)
             for address, calls in split.calls.items():
                 failed = split.failed[address]
@@ -112,9 +114,9 @@ class SchedulerService(Service[SchedulerConfig]):
                    score=reward.score if reward else None, journal=self.store)
 
     def answering_replicas(self, prompts: int) -> dict[str, InferenceClient]:
-        """The generation clients of the replicas that answer now (``split_across_replicas``; {} when the step
-        is not split: the option is off, one prompt, one replica named). Only a replica that answers is given
-        a chunk, so each serves at least the version the job waited for (``serving_version``)."""
+        """The generation clients of the replicas that answer now, by address ({} when the step is not split:
+        ``split_across_replicas`` off, one prompt, one replica named). Only a replica that answers is given a
+        chunk, so each serves at least the version the job waited for (``serving_version``: their lowest)."""
         if not self.config.split_across_replicas or prompts <= 1:
             return {}
         clients = self.generators.current()
