@@ -1,6 +1,7 @@
 """A real job over two inference replicas (`[inference] replicas = 2`): real processes, broker, gRPC, tiny model.
 
-Generation is spread over both (each replica's own spans count its Generate calls); each step's groups
+Generation is spread over both (each replica's own spans count its Generate calls): each step's groups are
+split over the two, and every group is published exactly once; each step's groups
 come from one policy version (on-policy: every batch's samples are of version step - 1); a replica
 SIGKILLed mid-job and restarted by the launcher loads the learner's current version before it reports
 SERVING; both end at the learner's final version."""
@@ -72,14 +73,22 @@ def _generate_calls(home: Path, name: str) -> int:
     return sum(1 for s in spans if s["name"].endswith("InferenceService/Generate"))
 
 
-def _step_metrics(bootstrap: str) -> list[common_pb2.StepMetrics]:
+def _messages(bootstrap: str, topic: str, cls):
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False)
-    tp = TopicPartition(kafka.METRICS, 0)
+    tp = TopicPartition(topic, 0)
     consumer.assign([tp])
     consumer.seek_to_beginning(tp)
-    out = [common_pb2.StepMetrics.FromString(r.value) for recs in consumer.poll(timeout_ms=5000).values() for r in recs]
+    out = [cls.FromString(r.value) for recs in consumer.poll(timeout_ms=5000).values() for r in recs]
     consumer.close()
     return out
+
+
+def _step_metrics(bootstrap: str) -> list[common_pb2.StepMetrics]:
+    return _messages(bootstrap, kafka.METRICS, common_pb2.StepMetrics)
+
+
+def _rollouts(bootstrap: str) -> list[common_pb2.RolloutGroup]:
+    return _messages(bootstrap, kafka.ROLLOUTS, common_pb2.RolloutGroup)
 
 
 def test_a_job_over_two_replicas_and_a_replica_restarted_mid_job(stack):
@@ -120,11 +129,19 @@ def test_a_job_over_two_replicas_and_a_replica_restarted_mid_job(stack):
     assert {c.info().lineage for c in clients.values()} == {lineage}
     status = learner.status()
     assert dict(status.replica_errors) == {} and status.weight_push_failures == 0
-    # both served generation
+    # both served generation: a step's groups are split over both (`[scheduler] split_across_replicas`)
     home = Path(state.home)
     calls = {n: _generate_calls(home, n) for n in replicas}
     assert all(v > 0 for v in calls.values()), calls
     assert sum(calls.values()) >= STEPS
+    shares = [json.loads(x)["prompts_per_replica"] for x in Path(state.services["scheduler"].log).read_text().splitlines()
+              if "step generated over replicas" in x]
+    both = {state.services[n].address for n in replicas}
+    # at least the steps before the pause went to both replicas, 2 groups each
+    assert sum(1 for s in shares if s == dict.fromkeys(both, 2)) >= 3, shares
+    # every group of every step published exactly once
+    ids = [g.group_id for g in _rollouts(state.kafka_bootstrap) if g.job_id == job]
+    assert sorted(ids) == sorted(f"{job}/s{s}/p{i}" for s in range(STEPS) for i in range(4)), ids
     # every step trained on groups of one version, the one before it (on-policy over both replicas)
     metrics = {m.policy_version: m for m in _step_metrics(state.kafka_bootstrap) if m.job_id == job}
     assert sorted(metrics) == list(range(1, STEPS + 1))

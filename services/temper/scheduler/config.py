@@ -16,6 +16,11 @@ class SchedulerConfig(ServiceConfig):
                                         "round_robin, the serving version is the lowest of theirs")
     reward_address: str = address_of("reward", "", "host:port of the reward service, which scores held-out "
                                                    "evaluations; empty: jobs without evaluation only")
+    split_across_replicas: bool = Field(True, description="with more than one inference replica answering, split "
+                                                          "each step's groups into one chunk per replica, generated "
+                                                          "concurrently (a failed chunk goes to another replica); "
+                                                          "false: one Generate call per step over the round_robin "
+                                                          "channel")
     generate_timeout_seconds: float = Field(600.0, description="how long one step's generate call may take (a real "
                                                                "model on CPU takes minutes)")
     eval_timeout_seconds: float = Field(600.0, description="how long one evaluation's generate call may take")

@@ -235,7 +235,8 @@ COUNTERS = ("steps_done", "groups_published", "draws_skipped", "groups_scored", 
 class Job:
     """Runs one job on a thread of its own.
 
-    ``generate(prompts, spec, seed) -> GenerateResponse`` calls inference; ``publish(group)`` returns once
+    ``generate(prompts, spec, seed)`` calls inference: a GenerateResponse, or a list of them covering the
+    prompts in order (a step split over replicas, each part with its own policy version); ``publish(group)`` returns once
     the group is durably in the `rollouts` topic; ``policy_version()`` reads the serving version.
     With evaluation, ``answer(prompts, max_tokens, n, temperature, seed)`` answers held-out prompts and
     ``score(group)`` scores a group synchronously (the reward service). The held-out sets are built
@@ -243,7 +244,8 @@ class Job:
     durable (module docstring); without one the job lives in memory only.
     """
 
-    def __init__(self, spec: JobSpec, generate: Callable[[list[str], JobSpec, int], inference_pb2.GenerateResponse],
+    def __init__(self, spec: JobSpec, generate: Callable[[list[str], JobSpec, int], inference_pb2.GenerateResponse
+                                                          | list[inference_pb2.GenerateResponse]],
                  publish: Callable[[common_pb2.RolloutGroup], None], policy_version: Callable[[], int],
                  answer: Callable[[list[str], int, int, float, int], inference_pb2.GenerateResponse] | None = None,
                  score: Callable[[common_pb2.RolloutGroup], common_pb2.RolloutGroup] | None = None,
@@ -458,11 +460,17 @@ class Job:
                 ) -> list[common_pb2.RolloutGroup]:
         spec = self.spec
         response = self._generate([t.prompt for t in step_tasks], spec, seed)
+        # one response, or one per replica's chunk in prompt order (temper.scheduler.replicas): each its version
+        responses = [response] if isinstance(response, inference_pb2.GenerateResponse) else list(response)
+        answered = [(result, r.policy_version) for r in responses for result in r.results]
+        if len(answered) != len(step_tasks):  # never a group lost or answered twice
+            raise FailedPrecondition(f"inference answered {len(answered)} results for {len(step_tasks)} prompts",
+                                     field="results")
         trace_context = current_context_carrier()  # the learner step that trains on these groups links here
         with self._lock:
             loss_weights = {d: self.sampling.loss_weight(d) for d in {t.domain for t in step_tasks}}
         groups = []
-        for i, (task, result) in enumerate(zip(step_tasks, response.results), start=first):
+        for i, (task, (result, version)) in enumerate(zip(step_tasks, answered), start=first):
             group_id = f"{spec.job_id}/s{step}/p{i}"
             groups.append(common_pb2.RolloutGroup(
                 group_id=group_id, job_id=spec.job_id, step=step, task=task, created_unix_ms=int(time.time() * 1000),
@@ -470,7 +478,7 @@ class Job:
                 trajectories=[common_pb2.Trajectory(
                     trajectory_id=f"{group_id}/{k}", group_id=group_id,
                     prompt_token_ids=result.prompt_token_ids, completion_token_ids=c.token_ids,
-                    completion_logprobs=c.logprobs, policy_version=response.policy_version,
+                    completion_logprobs=c.logprobs, policy_version=version,
                     completion_text=c.text, finish_reason=c.finish_reason,
                     sampling_temperature=spec.temperature) for k, c in enumerate(result.completions)]))
         return groups

@@ -6,6 +6,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import grpc
+from prometheus_client import Counter
 
 from temper.client.discovery import Replicas
 from temper.client.sdk import InferenceClient, RewardClient
@@ -16,12 +17,22 @@ from temper.runtime.service import Service, StartupError
 from temper.scheduler.config import SchedulerConfig
 from temper.scheduler.core import Job, JobSpec
 from temper.scheduler.evaluation import check_scorable
-from temper.scheduler.replicas import lowest_version
+from temper.scheduler.replicas import generate_split, lowest_version
 from temper.scheduler.servicer import SchedulerServicer
 from temper.scheduler.store import JobStore
 from temper.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 _log = get_logger(component="scheduler")
+REPLICA_GENERATE_CALLS = Counter("temper_scheduler_replica_generate_calls_total",
+                                 "Generate calls of a step split over inference replicas, per replica and outcome",
+                                 ["replica", "outcome"])
+# a replica down, restarting or dying mid-call: its chunk goes to another one
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED,
+                       grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
+
+
+def _retryable(e: BaseException) -> bool:
+    return isinstance(e, grpc.RpcError) and e.code() in RETRYABLE
 
 
 class SchedulerService(Service[SchedulerConfig]):
@@ -41,6 +52,10 @@ class SchedulerService(Service[SchedulerConfig]):
         except ValueError as e:
             raise StartupError(f"inference_address: {e}") from e
         stack.callback(self.replicas.close)
+        # and for generation, when a step is split over them (temper.scheduler.replicas)
+        self.generators = Replicas(config.inference_address,
+                                   lambda a: client(InferenceClient, a, timeout=config.generate_timeout_seconds))
+        stack.callback(self.generators.close)
         self.reward = stack.enter_context(client(RewardClient, config.reward_address)) if config.reward_address else None
         kafka.ensure_topics(config.kafka_bootstrap)
         self.producer = kafka.ProtoProducer(config.kafka_bootstrap, client_id="temper-scheduler")
@@ -65,8 +80,25 @@ class SchedulerService(Service[SchedulerConfig]):
         inference, evaluator, reward, config = self.inference, self.evaluator, self.reward, self.config
 
         def generate(prompts, s: JobSpec, seed: int):
-            return inference.generate(prompts, n=s.group_size, temperature=s.temperature, max_tokens=s.max_tokens,
-                                      seed=seed, apply_chat_template=s.chat_template, assistant_prefix=s.response_prefix)
+            def on(replica: InferenceClient):
+                return lambda part, part_seed: replica.generate(
+                    part, n=s.group_size, temperature=s.temperature, max_tokens=s.max_tokens, seed=part_seed,
+                    apply_chat_template=s.chat_template, assistant_prefix=s.response_prefix)
+
+            answering = self.answering_replicas(len(prompts))
+            if not answering:  # one call over the round_robin channel, as without replicas
+                return on(inference)(prompts, seed)
+            if len(answering) == 1:  # the others are down: one call, to the one that answers
+                return on(next(iter(answering.values())))(prompts, seed)
+            split = generate_split(prompts, seed, {a: on(c) for a, c in answering.items()}, _retryable)
+            for address, calls in split.calls.items():
+                failed = split.failed[address]
+                REPLICA_GENERATE_CALLS.labels(address, "ok").inc(calls - failed)
+                REPLICA_GENERATE_CALLS.labels(address, "failed").inc(failed)
+            _log.info("step generated over replicas", job_id=s.job_id, prompts_per_replica=split.prompts_per_replica(),
+                      calls=dict(split.calls), failed=dict(split.failed),
+                      policy_versions=sorted({r.policy_version for r in split.responses}))
+            return split.responses
 
         def answer(prompts, max_tokens: int, n: int, temperature: float, seed: int):
             return evaluator.generate(prompts, n=n, temperature=temperature, max_tokens=max_tokens, seed=seed,
@@ -80,6 +112,25 @@ class SchedulerService(Service[SchedulerConfig]):
             check_scorable(spec.domains, [d for d in spec.eval_domains if d not in spec.domains], reward.list_domains())
         return Job(spec, generate, publish, self.serving_version, answer=answer if reward else None,
                    score=reward.score if reward else None, journal=self.store)
+
+    def answering_replicas(self, prompts: int) -> dict[str, InferenceClient]:
+        """The generation clients of the replicas that answer now, by address ({} when the step is not split:
+        ``split_across_replicas`` off, one prompt, one replica named). Only a replica that answers is given a
+        chunk, so each serves at least the version the job waited for (``serving_version``: their lowest)."""
+        if not self.config.split_across_replicas or prompts <= 1:
+            return {}
+        clients = self.generators.current()
+        if len(clients) <= 1:
+            return {}
+        infos = {}
+        for address, replica in self.replicas.current().items():
+            try:
+                infos[address] = replica.info()
+            except grpc.RpcError:
+                continue
+        if len(infos) > 1:
+            lowest_version(infos)  # replicas of another model or lineage fail the step, naming one
+        return {a: clients[a] for a in sorted(infos) if a in clients}
 
     def serving_version(self) -> int:
         """The lowest policy version over the inference replicas that answer (temper.scheduler.replicas)."""
