@@ -39,8 +39,8 @@ def test_target_of_addresses():
 
 
 class _Client:
-    def __init__(self, address):
-        self.address, self.closed = address, False
+    def __init__(self, address, server_name):
+        self.address, self.server_name, self.closed = address, server_name, False
 
     def close(self):
         self.closed = True
@@ -66,3 +66,13 @@ def test_replicas_follow_the_resolved_set(tmp_path, monkeypatch):
 def test_replicas_refuse_a_malformed_fixed_target():
     with pytest.raises(ValueError, match="host:port"):
         Replicas(["127.0.0.1"], _Client)
+
+
+def test_the_tls_name_of_a_target():
+    from temper.client.discovery import server_name
+
+    assert server_name("dns:///inference-pods:50051") == "inference-pods"
+    assert server_name("dns://10.0.0.10/inference-pods.temper.svc:50051") == "inference-pods.temper.svc"
+    assert server_name("127.0.0.1:5") == "" and server_name("ipv4:10.0.0.1:5,10.0.0.2:5") == ""
+    with pytest.raises(ValueError, match="host:port"):
+        server_name("dns:///inference-pods")

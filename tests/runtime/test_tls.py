@@ -155,3 +155,65 @@ def test_scheduler_calls_inference_over_mtls_and_down_stops_the_running_job(tmp_
     assert "scheduler" in stopped
     saved = {j.spec.job_id: j.state for j in JobStore(data_dir / "jobs.sqlite").jobs()}
     assert saved == {"tls-job": scheduler_pb2.JOB_STATE_STOPPED}
+
+
+def _pod_certificate(ca, ca_key, dns_name: str):
+    """A server certificate naming ``dns_name`` only (as a headless Service's pods get: no IP in it)."""
+    import datetime
+
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, dns_name)]))
+            .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(dns_name)]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    return cert, key
+
+
+@pytest.mark.slow  # a real gRPC server over mTLS
+def test_a_replica_dialled_by_ip_is_checked_against_its_services_dns_name(tmp_path):
+    """A pod of a headless Service is dialled by IP (discovery resolves dns:///name:port to pod IPs), which its
+    certificate cannot name: the channel checks the certificate against the target's DNS name instead."""
+    from concurrent import futures
+
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from temper.client.discovery import Replicas
+    from temper.client.transport import channel
+    from temper.runtime.tls import issue, make_ca, server_credentials, write_identity
+
+    ca, ca_key = make_ca()
+    server_dir = write_identity(tmp_path / "inference", ca, *_pod_certificate(ca, ca_key, "inference-pods"))
+    client_dir = write_identity(tmp_path / "client", ca, *issue(ca, ca_key, "client"))
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_secure_port("127.0.0.1:0", server_credentials(server_dir))
+    server.start()
+    try:
+        def check(server_name: str):
+            ch = channel(f"127.0.0.1:{port}", tls_dir=client_dir, server_name=server_name)
+            try:
+                return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            except grpc.RpcError as e:
+                return e.code()
+            finally:
+                ch.close()
+
+        assert check("") == grpc.StatusCode.UNAVAILABLE  # checked against 127.0.0.1: not in the certificate
+        assert check("inference-pods") == health_pb2.HealthCheckResponse.SERVING
+        assert check("scheduler") == grpc.StatusCode.UNAVAILABLE  # another name is not taken
+        # what Replicas hands the client factory: the DNS name for a dns: target, nothing for fixed addresses
+        made = []
+        replicas = Replicas([f"dns:///localhost:{port}", f"127.0.0.1:{port + 1}"],
+                            lambda a, name: made.append((a, name)) or grpc.insecure_channel(a))
+        replicas.current()
+        replicas.close()
+        assert (f"127.0.0.1:{port}", "localhost") in made and (f"127.0.0.1:{port + 1}", "") in made
+    finally:
+        server.stop(None)

@@ -57,6 +57,19 @@ def resolve(target: str) -> list[str]:
     return sorted(set(out))
 
 
+def server_name(target: str) -> str:
+    """The name a server found through ``target`` answers to over TLS: the DNS name of a ``dns:`` target (its
+    pods are dialled by IP, which no certificate can name: the channel checks the certificate against this
+    name instead), "" for fixed addresses (checked as dialled)."""
+    target = target.strip()
+    if not target.startswith("dns:"):
+        return ""
+    name = target[len("dns:"):]
+    if name.startswith("//"):
+        name = name[2:].split("/", 1)[1] if "/" in name[2:] else ""
+    return _split_host_port(name, target)[0]
+
+
 def resolve_all(targets: Iterable[str]) -> list[str]:
     """Every server of every target in ``targets``, each once, sorted."""
     return sorted({a for t in targets for a in resolve(t)})
@@ -73,9 +86,12 @@ def target_of(addresses: list[str]) -> str:
 
 class Replicas(Generic[C]):
     """A client per server that ``targets`` name now: re-resolved by ``current()`` at most every ``ttl``
-    seconds; a server that appeared gets a client, one that is gone has its client closed."""
+    seconds; a server that appeared gets a client, one that is gone has its client closed.
 
-    def __init__(self, targets: str | Iterable[str], make_client: Callable[[str], C], ttl: float = 1.0):
+    ``make_client(address, server_name)``: ``server_name`` is the name its TLS certificate must carry
+    (``server_name(target)``: the DNS name of a headless Service for a pod dialled by IP; "" otherwise)."""
+
+    def __init__(self, targets: str | Iterable[str], make_client: Callable[[str, str], C], ttl: float = 1.0):
         self.targets = [targets] if isinstance(targets, str) else list(targets)
         if not self.targets:
             raise ValueError("no targets")
@@ -93,12 +109,12 @@ class Replicas(Generic[C]):
         with self._lock:
             now = time.monotonic()
             if refresh or now - self._resolved_at >= self._ttl:
-                addresses = resolve_all(self.targets)
-                for gone in set(self._clients) - set(addresses):
+                names = {a: server_name(t) for t in self.targets for a in resolve(t)}
+                for gone in set(self._clients) - set(names):
                     self._clients.pop(gone).close()
-                for a in addresses:
+                for a in sorted(names):
                     if a not in self._clients:
-                        self._clients[a] = self._make(a)
+                        self._clients[a] = self._make(a, names[a])
                 self._resolved_at = now
             return dict(self._clients)
 

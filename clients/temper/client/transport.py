@@ -91,10 +91,12 @@ def channel_credentials(tls_dir: str | Path | None = None) -> grpc.ChannelCreden
     return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=chain)
 
 
-def _raw_channel(address: str, options=(), tls_dir: str | Path | None = None) -> grpc.Channel:
+def _raw_channel(address: str, options=(), tls_dir: str | Path | None = None, server_name: str = "") -> grpc.Channel:
     creds = channel_credentials(tls_dir)
     if creds is None:
         return grpc.insecure_channel(address, options=list(options))
+    if server_name:  # the certificate is checked against this name, not the address dialled
+        options = [*options, ("grpc.ssl_target_name_override", server_name)]
     return grpc.secure_channel(address, creds, options=list(options))
 
 
@@ -145,11 +147,13 @@ class BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterc
 
 
 def channel(address: str, interceptors: Sequence[grpc.UnaryUnaryClientInterceptor] = (),
-            token: str | None = None, tls_dir: str | Path | None = None) -> grpc.Channel:
+            token: str | None = None, tls_dir: str | Path | None = None, server_name: str = "") -> grpc.Channel:
     """A channel to ``address`` with Temper's limits and retry policy, carrying the auth token (``auth_token``)
-    when there is one; mTLS with the certificates in ``tls_dir`` (default ``$TEMPER_TLS_DIR``), else plaintext."""
+    when there is one; mTLS with the certificates in ``tls_dir`` (default ``$TEMPER_TLS_DIR``), else plaintext.
+    ``server_name``: over TLS, the name the server's certificate must carry when it is not ``address``'s
+    host (a pod of a headless Service dialled by IP: ``temper.client.discovery.server_name``)."""
     options = BALANCED_OPTIONS if address.startswith(BALANCED_TARGETS) else CHANNEL_OPTIONS
-    ch = _raw_channel(address, options, tls_dir)
+    ch = _raw_channel(address, options, tls_dir, server_name)
     token = auth_token(token)
     interceptors = (BearerToken(token), *interceptors) if token else tuple(interceptors)
     return grpc.intercept_channel(ch, *interceptors) if interceptors else ch

@@ -34,7 +34,7 @@ class LearnerService(Service[LearnerConfig]):
         # every replica the targets name (fixed addresses, or dns:/// of a headless Service), re-resolved before
         # each push and each replica check, so a replica added later gets the policy
         try:
-            replicas = Replicas(config.inference_addresses, lambda a: client(InferenceClient, a))
+            replicas = Replicas(config.inference_addresses, lambda a, name: client(InferenceClient, a, name))
         except ValueError as e:
             raise StartupError(f"inference_addresses: {e}") from e
         stack.callback(replicas.close)

@@ -137,17 +137,19 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
         return grpc.stream_stream_rpc_method_handler(wrap_stream(handler.stream_stream), **kw)
 
 
-def channel(address: str) -> grpc.Channel:
-    """A client channel that carries the trace context in metadata (the SDK's channel + OTel)."""
-    return intercept_channel(transport.channel(address), client_interceptor())
+def channel(address: str, server_name: str = "") -> grpc.Channel:
+    """A client channel that carries the trace context in metadata (the SDK's channel + OTel); ``server_name``
+    as ``temper.client.transport.channel``'s."""
+    return intercept_channel(transport.channel(address, server_name=server_name), client_interceptor())
 
 
 C = TypeVar("C")
 
 
-def client(cls: type[C], address: str, **kw) -> C:
-    """An SDK client (``temper.client.sdk``) whose calls carry this process's trace context."""
-    return cls(address, channel=channel(address), **kw)
+def client(cls: type[C], address: str, server_name: str = "", **kw) -> C:
+    """An SDK client (``temper.client.sdk``) whose calls carry this process's trace context (``server_name``:
+    the name its TLS certificate carries when it is not the address's, as for ``Replicas``)."""
+    return cls(address, channel=channel(address, server_name), **kw)
 
 
 check_health = transport.check_health

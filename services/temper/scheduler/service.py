@@ -48,13 +48,15 @@ class SchedulerService(Service[SchedulerConfig]):
         self.evaluator.timeout = config.eval_timeout_seconds
         # the replicas one by one, to read the version every one serves (generation is spread by the channel above)
         try:
-            self.replicas = Replicas(config.inference_address, lambda a: client(InferenceClient, a, timeout=10.0))
+            self.replicas = Replicas(config.inference_address,
+                                     lambda a, name: client(InferenceClient, a, name, timeout=10.0))
         except ValueError as e:
             raise StartupError(f"inference_address: {e}") from e
         stack.callback(self.replicas.close)
         # and for generation, when a step is split over them (temper.scheduler.replicas)
         self.generators = Replicas(config.inference_address,
-                                   lambda a: client(InferenceClient, a, timeout=config.generate_timeout_seconds))
+                                   lambda a, name: client(InferenceClient, a, name,
+                                                          timeout=config.generate_timeout_seconds))
         stack.callback(self.generators.close)
         self.reward = stack.enter_context(client(RewardClient, config.reward_address)) if config.reward_address else None
         kafka.ensure_topics(config.kafka_bootstrap)
