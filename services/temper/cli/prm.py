@@ -293,19 +293,23 @@ def add_commands(sub, command, common) -> None:
 def _label_options(la) -> None:
     import argparse
 
+    from temper.reward.step_labels import LABEL_DEFAULTS as D
+
     la.add_argument("--from", dest="from_", required=True, help="a dataset export (python -m temper.reward.dataset)")
     # the labelling settings: a flag given overrides the job's [job.step_labels]; neither: the default shown
-    la.add_argument("--k", type=int, default=None, help="rollouts per step prefix (default 4)")
+    la.add_argument("--k", type=int, default=None, help=f"rollouts per step prefix (default {D['k']})")
     la.add_argument("--budget", type=int, default=None, help="most rollouts of this run (a trajectory of S steps "
-                    "costs k x (S - 1)); default 256")
+                    f"costs k x (S - 1)); default {D['budget']}")
     la.add_argument("--delimiter", default=None, help='step delimiter, escapes read ("\\n"); default: each '
                     "domain's [reward.domains.NAME].step_delimiter, else [reward].prm_step_delimiter")
     la.add_argument("--label", default=None, choices=["soft", "hard"], help="what step_labels holds (both are "
-                    "kept); default soft")
+                    f"kept); default {D['label']}")
     la.add_argument("--threshold", type=float, default=None, help="a completion is correct when its verifier label "
-                    "is >= this (default 1.0)")
-    la.add_argument("--min-steps", type=int, default=None, help="trajectories with fewer steps are skipped (default 2)")
-    la.add_argument("--max-steps", type=int, default=None, help="trajectories with more steps are skipped (default 64)")
+                    f"is >= this (default {D['threshold']})")
+    la.add_argument("--min-steps", type=int, default=None,
+                    help=f"trajectories with fewer steps are skipped (default {D['min_steps']})")
+    la.add_argument("--max-steps", type=int, default=None,
+                    help=f"trajectories with more steps are skipped (default {D['max_steps']})")
     la.add_argument("--max-trajectories", type=int, default=0, help="read at most this many from --from (0: all)")
     la.add_argument("--job", default=None, help="take the services' config, the sampling settings and "
                     "[job.step_labels] from this shipped job (--config FILE: from that file)")

@@ -150,13 +150,13 @@ def field_of(sources: dict) -> Callable[[str], str]:
 
 @dataclass(frozen=True)
 class LabelOptions:
-    k: int = 4
-    budget: int = 256  # most rollouts of one run
+    k: int = LABEL_DEFAULTS["k"]
+    budget: int = LABEL_DEFAULTS["budget"]  # most rollouts of one run
     delimiter: Callable[[str], str] | str = "\n"  # a string, or domain -> its delimiter
-    threshold: float = 1.0  # a completion is correct when its verifier label is >= this
-    label_kind: str = "soft"  # which labels step_labels holds: "soft" | "hard"
-    min_steps: int = 2  # fewer steps: nothing to label but the outcome
-    max_steps: int = 64  # more steps: skipped (the reward service's prm_max_steps)
+    threshold: float = LABEL_DEFAULTS["threshold"]  # a completion is correct when its verifier label is >= this
+    label_kind: str = LABEL_DEFAULTS["label"]  # which labels step_labels holds: "soft" | "hard"
+    min_steps: int = LABEL_DEFAULTS["min_steps"]  # fewer steps: nothing to label but the outcome
+    max_steps: int = LABEL_DEFAULTS["max_steps"]  # more steps: skipped (the reward service's prm_max_steps)
 
     def delimiter_of(self, domain: str) -> str:
         return self.delimiter(domain) if callable(self.delimiter) else self.delimiter
