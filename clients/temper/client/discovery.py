@@ -30,15 +30,21 @@ def _split_host_port(hostport: str, target: str) -> tuple[str, str]:
     return host.strip("[]"), port
 
 
+def _dns_host_port(target: str) -> tuple[str, str]:
+    """(host, port) of a ``dns:`` target; dns://[authority]/host:port: the authority (a DNS server) is gRPC's
+    business."""
+    name = target[len("dns:"):]
+    if name.startswith("//"):
+        name = name[2:].split("/", 1)[1] if "/" in name[2:] else ""
+    return _split_host_port(name, target)
+
+
 def resolve(target: str) -> list[str]:
     """The ``host:port`` of every server ``target`` names, sorted (module docstring). A DNS name that does
     not resolve (yet) gives []; a malformed target is a ValueError naming it."""
     target = target.strip()
     if target.startswith("dns:"):
-        name = target[len("dns:"):]
-        if name.startswith("//"):  # dns://[authority]/host:port: the authority (a DNS server) is gRPC's business
-            name = name[2:].split("/", 1)[1] if "/" in name[2:] else ""
-        host, port = _split_host_port(name, target)
+        host, port = _dns_host_port(target)
         try:
             infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
         except socket.gaierror:
@@ -62,12 +68,7 @@ def server_name(target: str) -> str:
     pods are dialled by IP, which no certificate can name: the channel checks the certificate against this
     name instead), "" for fixed addresses (checked as dialled)."""
     target = target.strip()
-    if not target.startswith("dns:"):
-        return ""
-    name = target[len("dns:"):]
-    if name.startswith("//"):
-        name = name[2:].split("/", 1)[1] if "/" in name[2:] else ""
-    return _split_host_port(name, target)[0]
+    return _dns_host_port(target)[0] if target.startswith("dns:") else ""
 
 
 def resolve_all(targets: Iterable[str]) -> list[str]:
