@@ -181,6 +181,17 @@ def _starts_processes(item) -> bool:
     return params.get("engine") == "vllm"
 
 
+def pytest_sessionstart(session):
+    """Build matplotlib's font cache before any test runs. Its first import on a machine runs
+    ``fc-list`` (a subprocess) to list the fonts; a fast test importing it (reasoning-gym does)
+    on a fresh machine would otherwise be failed by the guard below for a one-off, machine-level
+    cache, not for anything the test starts."""
+    try:
+        import matplotlib.font_manager  # noqa: F401  (loads or builds the cache)
+    except ImportError:
+        pass
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if not _starts_processes(item):
