@@ -1,7 +1,7 @@
 """One GRPO step of the trainer on a real model, in a process of its own (the learner benchmark).
 
     python -m tests.bench.learner_step '{"model_dir": ..., "seq_len": 512, "n": 16, "config": {...},
-                                         "rss_cap_bytes": ...}'
+                                         "rss_cap_bytes": ..., "group_size": 8}'
 
 Prints one JSON line: train tokens/s (prompt + completion tokens / step seconds), the process's
 peak RSS (getrusage high-water mark: torch allocates outside Python, so tracemalloc would not
@@ -49,7 +49,9 @@ def main(spec: dict) -> dict:
     rng = random.Random(0)
     n, seq_len, prompt_len = int(spec["n"]), int(spec["seq_len"]), int(spec.get("prompt_len", 64))
     vocab = trainer.vocab_size
-    prompts = [[rng.randrange(4, vocab) for _ in range(prompt_len)] for _ in range(n)]
+    group = int(spec.get("group_size", 1))  # consecutive sequences sharing one prompt (a GRPO group)
+    prompts = [[rng.randrange(4, vocab) for _ in range(prompt_len)] for _ in range(-(-n // group))]
+    prompts = [list(prompts[i // group]) for i in range(n)]
     completions = [[rng.randrange(4, vocab) for _ in range(seq_len - prompt_len)] for _ in range(n)]
     total = n * (seq_len - prompt_len)
     batch = Batch(prompts, completions, -torch.rand(total, generator=torch.Generator().manual_seed(0)) * 3 - 0.01,

@@ -360,18 +360,110 @@ def layout(prompts: list[list[int]], completions: list[list[int]], temperatures:
                        seqs or slice(0, len(prompts)), tokens or slice(0, n_comp), sum(lengths), n_rows * width)
 
 
-def micro_batches(batch: Batch, pad_id: int, packing: bool, pack_length: int, micro_batch_tokens: int
-                  ) -> list[ModelInputs]:
+def _prompt_runs(prompts: list[list[int]]) -> list[tuple[int, int]]:
+    """[start, end) of each run of consecutive sequences with the same prompt (a GRPO group's members)."""
+    runs, start = [], 0
+    for i in range(1, len(prompts) + 1):
+        if i == len(prompts) or prompts[i] != prompts[start]:
+            runs.append((start, i))
+            start = i
+    return runs
+
+
+def shared_prompt_layout(prompts: list[list[int]], completions: list[list[int]], temperatures: torch.Tensor,
+                         pad_id: int, packing: bool, capacity: int = 0, seqs: slice | None = None,
+                         tokens: slice | None = None) -> ModelInputs:
+    """Rows in which consecutive sequences with the same prompt share one copy of it (a prompt tree).
+
+    A unit is a prompt followed by the completions of its run of sequences, each without its last
+    token (it predicts nothing). Position ids restart after the prompt for every completion, and a
+    4-D attention mask lets a completion token see the prompt and its own earlier tokens only, so
+    each completion is computed exactly as in its own row; completion token 0 of every member is
+    predicted by the prompt's last position. A group of k samples of a P-token prompt costs
+    P + sum(len - 1) positions instead of k * P + sum(len). Units are packed into rows (first-fit
+    decreasing, as ``layout``) or get a row each; the unused tail of a row attends to itself only."""
+    runs = _prompt_runs(prompts)
+    unit_lengths = [len(prompts[a]) + sum(len(c) - 1 for c in completions[a:b]) for a, b in runs]
+    longest = max(unit_lengths)
+    capacity = max(capacity, longest) if packing else longest
+    rows_fill: list[int] = []
+    placement = [(0, 0)] * len(runs)
+    for u in sorted(range(len(runs)), key=lambda u: -unit_lengths[u]):
+        for r, used in enumerate(rows_fill):
+            if packing and used + unit_lengths[u] <= capacity:
+                placement[u], rows_fill[r] = (r, used), used + unit_lengths[u]
+                break
+        else:
+            placement[u] = (len(rows_fill), 0)
+            rows_fill.append(unit_lengths[u])
+    n_rows, width = len(rows_fill), max(rows_fill)
+    flat_index, tokens_flat, positions, unit_of, branch_of = [], [], [], [], []
+    rows, cols, targets = [], [], []
+    for u, (a, b) in enumerate(runs):
+        r, start = placement[u]
+        p = prompts[a]
+        base = r * width + start
+        flat_index.extend(range(base, base + unit_lengths[u]))
+        tokens_flat.extend(p)
+        positions.extend(range(len(p)))
+        unit_of.extend([u] * unit_lengths[u])
+        branch_of.extend([0] * len(p))
+        col = start + len(p)  # column of the next completion's first input token
+        for j, c in enumerate(completions[a:b], start=1):
+            n_in = len(c) - 1
+            tokens_flat.extend(c[:-1])
+            positions.extend(range(len(p), len(p) + n_in))
+            branch_of.extend([j] * n_in)
+            rows.extend([r] * len(c))
+            cols.append(start + len(p) - 1)
+            cols.extend(range(col, col + n_in))
+            targets.extend(c)
+            col += n_in
+    index = torch.tensor(flat_index)
+    grid = n_rows * width
+    input_ids = torch.full((grid,), pad_id, dtype=torch.long)
+    input_ids[index] = torch.tensor(tokens_flat)
+    position_ids = torch.zeros(grid, dtype=torch.long)
+    position_ids[index] = torch.tensor(positions)
+    # unused positions: a unit of their own each (negative ids), so every query row sees at least itself
+    unit = -1 - torch.arange(grid)
+    unit[index] = torch.tensor(unit_of)
+    branch = torch.zeros(grid, dtype=torch.long)
+    branch[index] = torch.tensor(branch_of)
+    unit, branch = unit.view(n_rows, width), branch.view(n_rows, width)
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    mask = ((unit[:, :, None] == unit[:, None, :]) & causal
+            & ((branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])))
+    comp_lengths = torch.tensor([len(c) for c in completions], dtype=torch.long)
+    n_comp = int(comp_lengths.sum())
+    return ModelInputs(input_ids.view(n_rows, width), position_ids.view(n_rows, width), mask[:, None],
+                       torch.tensor(rows), torch.tensor(cols), torch.tensor(targets),
+                       torch.repeat_interleave(temperatures.float(), comp_lengths), comp_lengths,
+                       seqs or slice(0, len(prompts)), tokens or slice(0, n_comp), sum(unit_lengths), grid)
+
+
+def micro_batches(batch: Batch, pad_id: int, packing: bool, pack_length: int, micro_batch_tokens: int,
+                  share_prompts: bool = False) -> list[ModelInputs]:
     """Split ``batch`` into consecutive micro-batches of at most ``micro_batch_tokens`` real tokens
-    (0 = one micro-batch; a sequence longer than the budget gets a micro-batch of its own)."""
-    seq_tokens = [len(p) + len(c) for p, c in zip(batch.prompts, batch.completions)]
+    (0 = one micro-batch; a sequence longer than the budget gets a micro-batch of its own).
+    ``share_prompts``: sequences with the same prompt share one copy of it (``shared_prompt_layout``);
+    the budget then counts a prompt once per micro-batch."""
+    def cost(i: int, start: int) -> int:
+        p, c = batch.prompts[i], batch.completions[i]
+        if not share_prompts:
+            return len(p) + len(c)
+        return len(c) - 1 + (len(p) if i == start or batch.prompts[i - 1] != p else 0)
+
     bounds, start, used = [], 0, 0
-    for i, n in enumerate(seq_tokens):
+    for i in range(len(batch.prompts)):
+        n = cost(i, start)
         if micro_batch_tokens > 0 and used + n > micro_batch_tokens and i > start:
             bounds.append((start, i))
             start, used = i, 0
+            n = cost(i, start)
         used += n
-    bounds.append((start, len(seq_tokens)))
+    bounds.append((start, len(batch.prompts)))
     offsets = [0, *torch.cumsum(batch.lengths, 0).tolist()]
-    return [layout(batch.prompts[a:b], batch.completions[a:b], batch.temperatures[a:b], pad_id, packing,
-                   pack_length, slice(a, b), slice(offsets[a], offsets[b])) for a, b in bounds]
+    lay = shared_prompt_layout if share_prompts else layout
+    return [lay(batch.prompts[a:b], batch.completions[a:b], batch.temperatures[a:b], pad_id, packing,
+                pack_length, slice(a, b), slice(offsets[a], offsets[b])) for a, b in bounds]

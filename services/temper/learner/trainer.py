@@ -3,7 +3,9 @@
 A step:
 1. validate the batch (bad batches raise InvalidArgument naming the field, never trained on) and
    drop groups staler than ``max_staleness`` policy versions;
-2. lay it out as packed (or padded) micro-batches;
+2. lay it out as packed (or padded) micro-batches; with ``share_prompts`` a group's samples share
+   one copy of their prompt (temper.learner.batching.shared_prompt_layout: same logprobs and
+   gradients; GRPO's k samples of a P-token prompt cost P + sum(len - 1) positions, not k * (P + len));
 3. without gradients: reference-model logprobs (when a KL penalty is on) and the critic's
    values (GAE);
 4. advantages by the configured estimator (KL in the reward enters here as dense token rewards;
@@ -33,6 +35,7 @@ Units: logprobs and KL in nats (KL per token); lr per optimiser step; staleness 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import resource
 import time
@@ -52,6 +55,8 @@ from temper.learner.batching import Batch, ModelInputs, batch_from_groups, micro
 from temper.learner.schedules import KLController, LRController
 from temper.learner.steps import StepTokens
 from temper.runtime.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Batch", "Trainer", "TrainerConfig", "batch_from_groups"]
 
@@ -114,6 +119,9 @@ class TrainerConfig(BaseModel):
                                                           "0: the model's context")
     packing: bool = Field(True, description="padding-free rows (block-diagonal attention)")
     pack_length: int = Field(0, ge=0, description="packed row length; 0: the longest sequence of the micro-batch")
+    share_prompts: bool = Field(True, description="a group's samples share one copy of their prompt in the "
+                                                  "forward pass (a prompt tree under a 4-D attention mask; same "
+                                                  "log-probs and gradients, prompt tokens computed once per group)")
     # off-policy
     max_staleness: int = Field(-1, ge=-1, description="drop groups more than this many versions old; -1: keep all")
     off_policy_correction: Literal["none", "tis"] = Field("none", description="tis: truncated importance weights")
@@ -274,6 +282,11 @@ class Trainer:
         if config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.to(self.device)
+        # a prompt tree needs a custom 4-D attention mask, which flash-attention kernels do not take
+        attn = getattr(self.model.config, "_attn_implementation", "eager")
+        self.share_prompts = config.share_prompts and attn in ("sdpa", "eager")
+        if config.share_prompts and not self.share_prompts:
+            log.warning("share_prompts off: attention implementation %r takes no 4-D mask", attn)
         self.lora = config.lora_rank > 0
         if self.lora:
             self.model = _with_lora(self.model, config)
@@ -340,7 +353,8 @@ class Trainer:
 
     def _micro_batches(self, batch: Batch) -> list[ModelInputs]:
         cfg = self.config
-        return micro_batches(batch, self.pad_id, cfg.packing, cfg.pack_length, cfg.micro_batch_tokens)
+        return micro_batches(batch, self.pad_id, cfg.packing, cfg.pack_length, cfg.micro_batch_tokens,
+                             self.share_prompts)
 
     def token_logprobs(self, batch: Batch) -> torch.Tensor:
         """Teacher-forced log p of every completion token under the current weights, [T] in batch order."""
