@@ -117,3 +117,10 @@ def test_micro_batch_budget_counts_a_prompt_once_per_micro_batch():
     assert len(micro_batches(batch, 0, True, 0, 26, share_prompts=False)) == 8
     assert sum(mb.real_tokens for mb in micro_batches(batch, 0, False, 0, 0, share_prompts=True)) == 52
     assert sum(mb.real_tokens for mb in [layout(batch.prompts, batch.completions, batch.temperatures, 0, False)]) == 120
+
+
+def test_a_micro_batch_without_shared_prompts_keeps_the_plain_layout():
+    batch = grouped_batch(4, groups=3, group_size=1, vocab=25)
+    (mb,) = micro_batches(batch, 0, True, 0, 0, share_prompts=True)
+    assert mb.attention_mask is None or mb.attention_mask.dim() == 2  # no prompt tree: no 4-D mask
+    assert mb.real_tokens == sum(map(len, batch.prompts)) + sum(map(len, batch.completions))

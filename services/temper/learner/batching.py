@@ -24,7 +24,9 @@ Packing: the sequences (prompt + completion) of a micro-batch are laid out in ro
 position ids when no attention mask is given), so a sequence never sees another. Without
 packing each sequence gets its own right-padded row and an attention mask. Only the hidden states
 at positions that predict a completion token are gathered, so the LM head never runs on prompt
-tokens or padding.
+tokens or padding. Shared prompts (``share_prompts``): a micro-batch in which consecutive sequences
+have the same prompt (a GRPO group) is laid out as prompt trees instead (``shared_prompt_layout``),
+each prompt computed once; one in which no prompt repeats keeps the layout above.
 """
 
 from __future__ import annotations
@@ -464,6 +466,12 @@ def micro_batches(batch: Batch, pad_id: int, packing: bool, pack_length: int, mi
         used += n
     bounds.append((start, len(batch.prompts)))
     offsets = [0, *torch.cumsum(batch.lengths, 0).tolist()]
-    lay = shared_prompt_layout if share_prompts else layout
-    return [lay(batch.prompts[a:b], batch.completions[a:b], batch.temperatures[a:b], pad_id, packing,
-                pack_length, slice(a, b), slice(offsets[a], offsets[b])) for a, b in bounds]
+    out = []
+    for a, b in bounds:
+        # a micro-batch in which no two sequences share a prompt gains nothing from a prompt tree, and
+        # its custom mask would cost an L x L tensor per row: the plain layout then
+        shared = share_prompts and len(_prompt_runs(batch.prompts[a:b])) < b - a
+        lay = shared_prompt_layout if shared else layout
+        out.append(lay(batch.prompts[a:b], batch.completions[a:b], batch.temperatures[a:b], pad_id, packing,
+                       pack_length, slice(a, b), slice(offsets[a], offsets[b])))
+    return out
