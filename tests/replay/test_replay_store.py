@@ -9,7 +9,7 @@ import pytest
 
 from temper.replay.store import ReplayStore
 from temper.replay.tables import TableConfig
-from temper.runtime.errors import DeadlineExceeded, InvalidArgument, NotFound
+from temper.runtime.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound
 from temper.v1 import common_pb2
 from tests.builders import scored_group
 from tests.conftest import wait_until
@@ -67,6 +67,34 @@ def test_sample_waits_for_an_insert_then_times_out(tmp_path):
     late.join(10)
     with pytest.raises(DeadlineExceeded):
         store.sample("t", 1, timeout=0.1, max_batch=10)
+
+
+def test_a_sample_whose_caller_went_away_takes_nothing(tmp_path):
+    """A learner killed while its Sample waited: the insert that wakes the dead call must not hand it
+    (and, with max_times_sampled = 1, remove) the groups; the next live caller gets them."""
+    store = open_store(tmp_path, t=dict(max_times_sampled=1))
+    caller_alive = threading.Event()
+    caller_alive.set()
+    outcome: list[BaseException | object] = []
+
+    def dead_caller():
+        try:
+            outcome.append(store.sample("t", 2, timeout=30, max_batch=10, alive=caller_alive.is_set))
+        except Cancelled as e:
+            outcome.append(e)
+
+    waiter = threading.Thread(target=dead_caller)
+    waiter.start()
+    wait_until(lambda: store.stats("t").waiting_samples >= 1, 10, what="a waiting sample")
+    caller_alive.clear()  # the client died; its call is still registered
+    store.insert("t", [scored_group("a"), scored_group("b")])
+    waiter.join(10)
+    assert len(outcome) == 1 and isinstance(outcome[0], Cancelled), outcome
+    assert store.stats("t").size == 2
+    assert sorted(d.group_id for d in store.sample("t", 2, timeout=0, max_batch=10).draws) == ["a", "b"]
+    # a caller that went away before anything was there is refused within a second, not after its timeout
+    with pytest.raises(Cancelled):
+        store.sample("t", 1, timeout=30, max_batch=10, alive=lambda: False)
 
 
 def test_policy_lag_is_respected_and_survives_restart(tmp_path):

@@ -90,7 +90,8 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
             current_policy_version=(request.current_policy_version
                                     if request.HasField("current_policy_version") else None),
             importance_sampling_exponent=(request.importance_sampling_exponent
-                                          if request.HasField("importance_sampling_exponent") else None))
+                                          if request.HasField("importance_sampling_exponent") else None),
+            alive=context.is_active if context is not None else None)
         return encode_sample_response(result)
 
     def UpdatePriorities(self, request, context):

@@ -36,7 +36,7 @@ from pathlib import Path
 from temper.replay.payloads import PayloadLog
 from temper.replay.tables import Draw, Removal, Table, TableConfig, TableStats
 from temper.replay.wire import array_lengths
-from temper.runtime.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, require
+from temper.runtime.errors import Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, require
 from temper.runtime.sqlite import open_sqlite
 from temper.runtime.storage import Mirror
 from temper.v1 import common_pb2
@@ -287,8 +287,9 @@ class ReplayStore:
             self._garbage |= self.log.live[seg] <= 0
 
     def _wait(self, table: Table, side: str, deadline: float, not_ready: Callable[[], str | None],
-              field: str) -> None:
-        """Block (releasing the lock) until ``not_ready()`` is None; DEADLINE_EXCEEDED naming why."""
+              field: str, alive: Callable[[], bool] | None = None) -> None:
+        """Block (releasing the lock) until ``not_ready()`` is None; DEADLINE_EXCEEDED naming why;
+        CANCELLED as soon as ``alive()`` is false (checked on every wake-up, at least every second)."""
         why = not_ready()
         if why is None:
             return
@@ -299,7 +300,9 @@ class ReplayStore:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise DeadlineExceeded(f"table {table.name!r} not ready for {side}: {why}", field=field)
-                self._cond.wait(left)
+                self._cond.wait(left if alive is None else min(left, 1.0))
+                if alive is not None and not alive():
+                    raise Cancelled(f"the caller went away while waiting to {side}", field=field)
                 if self._closed:
                     raise FailedPrecondition("the replay store is closing")
                 why = not_ready()
@@ -413,8 +416,13 @@ class ReplayStore:
     # -- sample ----------------------------------------------------------------------------------
     def sample(self, table: str, batch_size: int, timeout: float, max_batch: int,
                current_policy_version: int | None = None,
-               importance_sampling_exponent: float | None = None) -> SampleResult:
-        """Draw ``batch_size`` groups, waiting up to ``timeout`` s until the table can give them."""
+               importance_sampling_exponent: float | None = None,
+               alive: Callable[[], bool] | None = None) -> SampleResult:
+        """Draw ``batch_size`` groups, waiting up to ``timeout`` s until the table can give them.
+        ``alive``: whether the caller still waits for them (a gRPC call's ``is_active``); checked on
+        every wake-up and just before drawing, so a caller that went away (a learner killed while
+        its Sample waited) never takes groups -- with ``max_times_sampled`` they would be removed
+        and its response never read."""
         t = self._table(table)
         require(1 <= batch_size <= max_batch, "batch_size", f"must be in [1, {max_batch}], got {batch_size}")
         require(timeout >= 0, "timeout_ms", "must be >= 0")
@@ -434,7 +442,9 @@ class ReplayStore:
             if current_policy_version is not None and current_policy_version > t.policy_version:
                 self._transaction(lambda: self._persist(t, t.observe_version(current_policy_version)), [t])
                 self._cond.notify_all()
-            self._wait(t, "sample", deadline, lambda: t.not_ready(batch_size), "batch_size")
+            self._wait(t, "sample", deadline, lambda: t.not_ready(batch_size), "batch_size", alive)
+            if alive is not None and not alive():
+                raise Cancelled("the caller went away before the sample was drawn", field="batch_size")
             t = self._table(table)
             draws, removed = t.sample(batch_size, beta)
             times = {d.seq: d.times_sampled for d in draws}

@@ -38,6 +38,12 @@ class DeadlineExceeded(TemperError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class Cancelled(TemperError):
+    """The caller went away (its RPC is no longer active): nothing was done for it."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
 class Unimplemented(TemperError):
     code = grpc.StatusCode.UNIMPLEMENTED
 
