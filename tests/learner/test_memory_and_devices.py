@@ -112,9 +112,8 @@ def test_gradient_checkpointing_and_the_default_micro_batches_change_no_numbers(
     assert m1["micro_batches"] == 1 and m2["micro_batches"] > 1
     assert math.isclose(m1["loss"], m2["loss"], rel_tol=1e-5) and math.isclose(m1["grad_norm"], m2["grad_norm"],
                                                                                  rel_tol=1e-4)
-    # AdamW's first update is ~lr * sign(grad): round-off in a ~0 gradient moves a weight by a fraction of lr
     b = dict(bounded.model.named_parameters())
-    assert max((p - b[n]).abs().max().item() for n, p in plain.model.named_parameters()) < 0.01 * plain.config.lr
+    assert max((p - b[n]).abs().max().item() for n, p in plain.model.named_parameters()) < 1e-6
 
 
 def test_bf16_autocast_on_cpu_trains_with_fp32_master_weights(model_dir):
