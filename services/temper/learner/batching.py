@@ -292,6 +292,22 @@ class ModelInputs:
         return replace(self, **{f: None if t is None else t.to(device, non_blocking=True) for f, t in move.items()})
 
 
+def _first_fit_decreasing(lengths: list[int], capacity: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """(row and start column of each item, tokens used per row): longest first, each into the first
+    row with room (``capacity`` >= the longest item)."""
+    rows_fill: list[int] = []
+    placement = [(0, 0)] * len(lengths)
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for r, used in enumerate(rows_fill):
+            if used + lengths[i] <= capacity:
+                placement[i], rows_fill[r] = (r, used), used + lengths[i]
+                break
+        else:
+            placement[i] = (len(rows_fill), 0)
+            rows_fill.append(lengths[i])
+    return placement, rows_fill
+
+
 def layout(prompts: list[list[int]], completions: list[list[int]], temperatures: torch.Tensor, pad_id: int,
            packing: bool, capacity: int = 0, seqs: slice | None = None, tokens: slice | None = None) -> ModelInputs:
     """Rows for the model: packed (first-fit decreasing into rows of at most ``capacity`` tokens, at
@@ -305,17 +321,7 @@ def layout(prompts: list[list[int]], completions: list[list[int]], temperatures:
             total = sum(lengths)
             rows_needed = -(-total // capacity)
             capacity = min(capacity, -(-total // rows_needed) + longest)
-        capacity = max(capacity, longest)
-        rows_fill: list[int] = []
-        placement = [0] * len(lengths)
-        for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-            for r, used in enumerate(rows_fill):
-                if used + lengths[i] <= capacity:
-                    placement[i], rows_fill[r] = (r, used), used + lengths[i]
-                    break
-            else:
-                placement[i] = (len(rows_fill), 0)
-                rows_fill.append(lengths[i])
+        placement, rows_fill = _first_fit_decreasing(lengths, max(capacity, longest))
         width = max(rows_fill)
         n_rows = len(rows_fill)
         # no two sequences share a row: nothing to gain, and a plain padding mask is cheaper to build
@@ -386,18 +392,10 @@ def shared_prompt_layout(prompts: list[list[int]], completions: list[list[int]],
     decreasing, as ``layout``) or get a row each; the unused tail of a row attends to itself only."""
     runs = _prompt_runs(prompts)
     unit_lengths = [len(prompts[a]) + sum(len(c) - 1 for c in completions[a:b]) for a, b in runs]
-    longest = max(unit_lengths)
-    capacity = max(capacity, longest) if packing else longest
-    rows_fill: list[int] = []
-    placement = [(0, 0)] * len(runs)
-    for u in sorted(range(len(runs)), key=lambda u: -unit_lengths[u]):
-        for r, used in enumerate(rows_fill):
-            if packing and used + unit_lengths[u] <= capacity:
-                placement[u], rows_fill[r] = (r, used), used + unit_lengths[u]
-                break
-        else:
-            placement[u] = (len(rows_fill), 0)
-            rows_fill.append(unit_lengths[u])
+    if packing:
+        placement, rows_fill = _first_fit_decreasing(unit_lengths, max(capacity, max(unit_lengths)))
+    else:
+        placement, rows_fill = [(u, 0) for u in range(len(runs))], list(unit_lengths)
     n_rows, width = len(rows_fill), max(rows_fill)
     flat_index, tokens_flat, positions, unit_of, branch_of = [], [], [], [], []
     rows, cols, targets = [], [], []
