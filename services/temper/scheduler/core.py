@@ -20,7 +20,8 @@ it (``Job.restore``) and continues with the first step it had not finished publi
 
 - a step finished before the crash is never generated again; when the serving policy version shows
   that the learner already trained on more steps than the checkpoint says (killed between the last
-  publish and the checkpoint), those are taken as done too;
+  publish and the checkpoint), those are taken as done too, and their draws are made again without
+  generating, so the draw RNG and the per-domain draw counts continue from where the killed scheduler was;
 - the step that was being published when the scheduler died is generated again from its start. Its
   groups keep their ids (``<job>/s<step>/p<i>``, drawn afresh, so their content may differ): where an
   earlier copy of an id was already published, replay stores the first copy only (it keys groups by
@@ -401,7 +402,13 @@ class Job:
         if trained > self.steps_done:
             _log.warning("resumed behind the learner: counting its trained steps as done", job_id=self.spec.job_id,
                          checkpoint_steps=self.steps_done, trained_steps=trained)
-            # they were published whole (the learner trains a step's groups only once all are in)
+            # they were published whole (the learner trains a step's groups only once all are in). Their draws
+            # are made again, without generating: the draw RNG and the per-domain draw counts then stand where
+            # the killed scheduler left them (exact without dynamic sampling; with it a step's refill draws
+            # depended on scores that are gone, so such a step counts its prompts_per_step draws only)
+            for step in range(self.steps_done, trained):
+                for i in range(self.spec.prompts_per_step):
+                    self._draw_task(step, i)
             self.groups_published += (trained - self.steps_done) * self.spec.prompts_per_step
             self.steps_done = trained
             self.save()
