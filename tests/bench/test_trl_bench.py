@@ -16,9 +16,10 @@ start-up and the two evaluations outside it, on each side:
   maximum, i.e. "steps large, stop at the budget"): from the end of the job's "before" evaluation;
   at the budget the job is stopped (StopJob: no new step starts), the learner step in flight
   completes (the first StepMetrics after the budget: TRL's step boundary) and the learner is then
-  SIGKILLed, so nothing more is pushed; the serving policy is evaluated greedily on the same
-  held-out sets by temper.scheduler.evaluation.evaluate, through the same inference and reward
-  services the job's own evaluations use. With L >= 1 the rollouts generated ahead for the next
+  SIGKILLed, so nothing more is pushed; the serving policy is evaluated on the same held-out sets
+  by temper.scheduler.evaluation.evaluate as the job's own evaluations are ([job.eval] samples,
+  temperature and seed: pass@1 over that many answers per problem), through the same inference and
+  reward services. With L >= 1 the rollouts generated ahead for the next
   step are lost (counted in Temper's generated tokens, never trained on).
 Generated tokens/s: completion tokens generated during that window / its seconds (Temper: every
 rollout the scheduler published before the stop; TRL: every completion the reward saw).
@@ -140,6 +141,7 @@ def trl_side(tmp: Path, seed: int) -> dict:
         "model_dir": str(_model_dir()), "seed": seed, "budget_s": BUDGET_S, "work_dir": str(tmp / "trl-out"),
         "group_size": spec.group_size, "prompts_per_step": spec.prompts_per_step, "temperature": spec.temperature,
         "max_tokens": spec.max_tokens, "eval_max_tokens": spec.eval.max_tokens or spec.max_tokens,
+        "eval_samples": spec.eval.samples, "eval_temperature": spec.eval.temperature, "eval_seed": spec.eval.seed,
         "response_prefix": spec.response_prefix, "bf16": TRL_BF16, "lr": learner.get("lr", 1e-5),
         "clip_low": learner.get("clip_low", 0.2), "clip_high": learner.get("clip_high", 0.28),
         "max_grad_norm": learner.get("max_grad_norm", 1.0), "epochs": learner.get("epochs", 1),
@@ -235,13 +237,15 @@ def temper_side(tmp: Path, seed: int, lag: int) -> dict:
                 RewardClient(state.services["reward"].address) as reward:
             inference.timeout = reward.timeout = 1200
 
-            def greedy(prompts, max_tokens, n, temperature, seed):
+            def answer(prompts, max_tokens, n, temperature, seed):
                 return inference.generate(prompts, n=n, temperature=temperature, max_tokens=max_tokens, seed=seed,
                                           apply_chat_template=spec.chat_template,
                                           assistant_prefix=spec.response_prefix)
 
-            after = evaluate(eval_sets, greedy, reward.score, spec.eval.max_tokens or spec.max_tokens, "final",
-                             job_id=job_id, response_prefix=spec.response_prefix)
+            # as the job's own evaluations (its "before" included): [job.eval] samples, temperature and seed
+            after = evaluate(eval_sets, answer, reward.score, spec.eval.max_tokens or spec.max_tokens, "final",
+                             job_id=job_id, response_prefix=spec.response_prefix, samples=spec.eval.samples,
+                             temperature=spec.eval.temperature, seed=spec.eval.seed)
     finally:
         launcher.down()
     wall = t_stop - t_train
@@ -326,7 +330,8 @@ def test_report():
     trl_gain = _mean(gain(r) for r in trl)
     domains = list(trl[0]["eval"]["before"]["accuracy"])
     print(f"\nSmolLM2-135M-Instruct, {JOB.name}: {', '.join(domains)}; budget {BUDGET_S:g}s of training per run; "
-          f"held-out greedy accuracy (mean over domains, {trl[0]['eval_problems_per_domain']} problems each)")
+          f"held-out pass@1 over {trl[0]['eval']['before'].get('samples', 1)} answers (mean over domains, "
+          f"{trl[0]['eval_problems_per_domain']} problems each)")
     print(f"  {'':<17}{'seeds':>6}{'before':>8}{'after':>8}{'gain':>8}{'x TRL':>7}{'steps':>7}{'gen tok/s':>10}")
     report = {"budget_s": BUDGET_S, "job": str(JOB), "domains": domains, "rows": {}}
     for name, rs in rows:

