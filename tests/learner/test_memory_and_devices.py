@@ -14,7 +14,8 @@ import torch
 from pydantic import ValidationError
 
 from temper.learner.batching import Batch, layout
-from temper.learner.trainer import Trainer, TrainerConfig, _cpu_has_bf16, autocast_dtype, resolve_device, stored_dtype
+from temper.learner.trainer import Trainer, TrainerConfig, autocast_dtype, resolve_device, stored_dtype
+from temper.models.dtypes import cpu_has_native_bf16
 from temper.models.tiny import build_tiny_model
 from temper.runtime.errors import InvalidArgument
 
@@ -160,7 +161,7 @@ def test_device_and_dtype_settings_are_validated_naming_the_field(model_dir):
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
     cpu = torch.device("cpu")  # auto on CPU: exact fp32 for fp32-stored models, bf16 for bf16 ones where it pays
     assert autocast_dtype("auto", cpu, torch.float32) is None and Trainer(model_dir, TrainerConfig()).compute_dtype is None
-    assert autocast_dtype("auto", cpu, torch.bfloat16) == (torch.bfloat16 if _cpu_has_bf16() else None)
+    assert autocast_dtype("auto", cpu, torch.bfloat16) == (torch.bfloat16 if cpu_has_native_bf16() else None)
     assert autocast_dtype("fp32", cpu, torch.bfloat16) is None and autocast_dtype("bf16", cpu) == torch.bfloat16
     if not torch.cuda.is_available():
         with pytest.raises(InvalidArgument) as e:
@@ -196,3 +197,21 @@ def test_cpu_threads_sets_the_trainers_torch_threads(model_dir):
         torch.set_num_threads(before)
     with pytest.raises(ValidationError):
         TrainerConfig(cpu_threads=-1)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_dtype_auto_is_fp32_on_a_cpu_without_native_bf16_on_both_sides(monkeypatch, native):
+    """Inference's dtype "auto" and the learner's push_dtype "auto" resolve by one rule, so the pushed policy is
+    the engine's dtype: as stored where the CPU multiplies bf16 natively, fp32 where bf16 is emulated."""
+    import temper.learner.trainer as trainer
+    import temper.models.dtypes as dtypes
+
+    monkeypatch.setattr(dtypes, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(trainer, "cpu_has_native_bf16", lambda: native)
+    cpu = torch.device("cpu")
+    assert dtypes.resolve_cpu_dtype("auto") == ("auto" if native else "float32")
+    assert dtypes.resolve_cpu_dtype("bfloat16") == "bfloat16"  # an explicit setting is kept
+    assert trainer.push_dtype("auto", cpu, torch.bfloat16) == (torch.bfloat16 if native else torch.float32)
+    assert trainer.push_dtype("auto", cpu, torch.float32) == torch.float32
+    assert trainer.push_dtype("bf16", cpu, torch.float32) == torch.bfloat16
+    assert trainer.push_dtype("auto", torch.device("meta"), torch.bfloat16) == torch.bfloat16  # not a CPU: as stored

@@ -23,8 +23,12 @@ class InferenceConfig(ServiceConfig):
                                  "the server reports SERVING, so a late or restarted replica serves the learner's "
                                  "version, not the base weights; \"\": serve model_dir's weights (version 0)")
     engine: str = Field("vllm", description='"vllm" (real models) or "hf" (tiny models, fallback)')
-    dtype: str = Field("auto", description='weights\' dtype in memory; "auto": as stored in the checkpoint')
+    dtype: str = Field("auto", description='weights\' dtype in memory; "auto": as stored in the checkpoint, except '
+                       'on a CPU without native bf16 (no AMX-BF16 / AVX512-BF16), where it is float32: emulated '
+                       'bf16 generated 5-6x slower there')
     seed: int = Field(0, description="sampling RNG of requests without their own seed")
+    cpu_threads: int = Field(0, ge=0, description="torch CPU threads of the engine; 0: as the environment says "
+                                                  "(the local launcher starts every service with OMP_NUM_THREADS=1)")
     max_chunk_bytes: int = Field(4 << 20, description="largest UpdateWeightsRequest.data (one chunk) accepted")
     max_sequences_per_request: int = Field(4096, ge=1, description="most completions one Generate may ask for "
                                            "(prompts x sampling.n); more: INVALID_ARGUMENT, before any work")

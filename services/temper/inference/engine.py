@@ -373,6 +373,10 @@ class HFEngine(Engine):
         self.tokenizer.padding_side = "left"
         if seed is not None:
             torch.manual_seed(seed)
+        if isinstance(dtype, str) and self.device.type == "cpu":
+            from temper.models.dtypes import resolve_cpu_dtype
+
+            dtype = resolve_cpu_dtype(dtype)
         dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else dtype
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).to(self.device).eval()
         eos = self.model.generation_config.eos_token_id

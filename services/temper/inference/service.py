@@ -14,6 +14,10 @@ _log = get_logger(component="inference")
 def engine_from_config(config: InferenceConfig):
     from temper.inference.engine import build_engine
 
+    if config.cpu_threads:  # before the engine: vLLM-CPU binds its OpenMP threads when it starts
+        import torch
+
+        torch.set_num_threads(config.cpu_threads)
     if config.engine == "hf":
         return build_engine("hf", config.model_dir, dtype=config.dtype, device=config.device,
                             max_batch_rows=config.max_batch_rows, seed=config.seed)

