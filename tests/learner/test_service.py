@@ -47,6 +47,7 @@ epochs = 1
 kl_coef = 0.01
 checkpoint_every = 2
 keep_checkpoints = 2
+sample_lease_seconds = 20  # every batch leased from replay and acknowledged after its step (see the crash below)
 
 [replay]
 [inference]

@@ -38,6 +38,8 @@ sampler = "uniform"
 max_times_sampled = 0
 max_policy_lag = 2
 domain_quotas = { "math" = 2 }
+
+[replay.tables.lease]
 """
 IA = grpc.StatusCode.INVALID_ARGUMENT
 
@@ -93,6 +95,27 @@ def test_prioritized_sampling_reports_probabilities_and_weights(replay):
     assert (r.updated, list(r.unknown_group_ids)) == (2, ["nope"])
     ids = [i.group_id for i in client.sample_batch(200, table="prio", timeout_ms=0, importance_sampling_exponent=0).info]
     assert "p0" not in ids and ids.count("p2") > ids.count("p1")
+
+
+def test_a_leased_sample_is_acknowledged_requeued_or_refused_through_grpc(replay):
+    client, _ = replay
+    client.insert([scored_group("l0"), scored_group("l1")], table="lease")
+    held = client.sample_batch(2, table="lease", timeout_ms=0, lease_ms=60_000)
+    assert [g.group_id for g in held.groups] == ["l0", "l1"] and held.lease_id
+    assert client.stats("lease").size == 0
+    assert client.ack_sample(held.lease_id, "extend", extend_ms=60_000).groups == 2
+    assert client.ack_sample(held.lease_id, "requeue").groups == 2  # back, as if never drawn
+    again = client.sample_batch(2, table="lease", timeout_ms=0, lease_ms=60_000)
+    assert [g.group_id for g in again.groups] == ["l0", "l1"]
+    assert client.ack_sample(again.lease_id).groups == 2
+    assert client.stats("lease").size == 0 and client.stats("lease").removed["sampled_out"] == 2
+    expect(grpc.StatusCode.NOT_FOUND, "lease_id", client.ack_sample, again.lease_id)  # settled already
+    expect(IA, "lease_id", client.ack_sample, "")
+    expect(IA, "extend_ms", client.ack_sample, "x", "extend")
+    expect(IA, "extend_ms", client.ack_sample, "x", "ack", extend_ms=5)
+    expect(IA, "lease_ms", client.sample_batch, 1, table="lease", timeout_ms=0, lease_ms=-1)
+    expect(IA, "action", client.stub.AckSample, replay_pb2.AckSampleRequest(lease_id="x", action=7))
+    assert client.stats("lease").size == 0  # nothing of the refused calls took or gave anything
 
 
 def test_policy_lag_and_quota_through_grpc(replay):

@@ -250,12 +250,24 @@ class ReplayClient(_Client):
 
     def sample_batch(self, batch_size: int, table: str = "default", timeout_ms: int = 10_000,
                      current_policy_version: int | None = None,
-                     importance_sampling_exponent: float | None = None) -> replay_pb2.SampleResponse:
-        """Groups with their SampleInfo (probability, importance weight, times sampled, ...)."""
+                     importance_sampling_exponent: float | None = None, lease_ms: int = 0) -> replay_pb2.SampleResponse:
+        """Groups with their SampleInfo (probability, importance weight, times sampled, ...). ``lease_ms`` > 0:
+        the draws are held for this caller until ``ack_sample(response.lease_id)`` (or given back when the
+        lease runs out), so a caller that dies before it used them loses nothing."""
         req = replay_pb2.SampleRequest(table=table, batch_size=batch_size, timeout_ms=timeout_ms,
                                        current_policy_version=current_policy_version,
-                                       importance_sampling_exponent=importance_sampling_exponent)
+                                       importance_sampling_exponent=importance_sampling_exponent, lease_ms=lease_ms)
         return self.stub.Sample(req, timeout=timeout_ms / 1000 + self.timeout)
+
+    def ack_sample(self, lease_id: str, action: str = "ack", extend_ms: int = 0) -> replay_pb2.AckSampleResponse:
+        """Settle a leased sample: "ack" (its draws final), "requeue" (its groups back now) or "extend"
+        (held ``extend_ms`` more). NOT_FOUND: the lease ran out and its groups went back."""
+        actions = {"ack": replay_pb2.AckSampleRequest.ACTION_ACK, "requeue": replay_pb2.AckSampleRequest.ACTION_REQUEUE,
+                   "extend": replay_pb2.AckSampleRequest.ACTION_EXTEND}
+        if action not in actions:
+            raise ValueError(f"action must be one of {sorted(actions)}, got {action!r}")
+        return self.stub.AckSample(replay_pb2.AckSampleRequest(lease_id=lease_id, action=actions[action],
+                                                               extend_ms=extend_ms), timeout=self.timeout)
 
     def sample_batches(self, batch_size: int, table: str = "default", timeout_ms: int = 10_000,
                        in_flight: int = 2, count: int | None = None) -> Iterator[replay_pb2.SampleResponse]:

@@ -3,7 +3,11 @@
 Kept apart from the trainer so the maths stays testable alone; this file holds the I/O.
 Invariants: one step at a time (a lock serialises steps, checkpoints and pauses); once
 ``pause()`` returns no update runs until ``resume()``; a batch sampled while pausing is kept
-and trained on after resume, never dropped. A bad group never stalls the job: it is dropped by
+and trained on after resume, never dropped (a leased one is given back to replay instead). With
+``sample_lease_s`` > 0 each batch is a replay lease: renewed every third of its length while its step
+runs, acknowledged after the step (requeued if the step raised), so a learner killed mid-step loses
+no group -- replay hands the batch to the next caller when the lease runs out (at least once).
+A bad group never stalls the job: it is dropped by
 the rule of temper.learner.batching.screen_groups (reward error, malformed, too long; the
 trainer drops groups staler than max_staleness), counted by reason (state, StepMetrics values
 ``dropped_groups`` / ``dropped_<reason>``, Prometheus) and logged with its group id, and the step
@@ -30,6 +34,7 @@ import threading
 import time
 import uuid
 from collections.abc import Collection
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,6 +63,8 @@ STEP = Gauge("temper_learner_step", "Learner updates applied")
 POLICY_VERSION = Gauge("temper_learner_policy_version", "Version of the learner's current weights")
 STEPS = Counter("temper_learner_steps", "Learner updates applied by this process")
 TOKENS = Counter("temper_learner_tokens", "Completion tokens trained on")
+LEASES_LOST = Counter("temper_learner_replay_leases_lost", "Replay leases this learner could not settle (ran out "
+                      "before the step ended: replay gave the batch back, so it may be trained on again)")
 SKIPPED = Counter("temper_learner_skipped_batches",
                   "Batches, and malformed groups of a batch, refused (never trained on), by field", ["field"])
 PUSH_FAILURES = Counter("temper_learner_weight_push_failures", "Weight pushes an inference replica refused")
@@ -114,7 +121,7 @@ class LearnerLoop:
                  sample_timeout_ms: int = 5_000, checkpoint_dir: str | Path | None = None,
                  checkpoint_every: int = 0, keep_checkpoints: int = 3, priority_signal: str = "none",
                  model_dir: str | Path | None = None, mirror: Mirror | None = None,
-                 policy_dir: str | Path | None = None):
+                 policy_dir: str | Path | None = None, sample_lease_s: float = 0.0):
         self.trainer = trainer
         self.model_dir = model_dir  # the folder the policy started from (config, tokenizer of exports)
         self.replay = replay
@@ -123,6 +130,7 @@ class LearnerLoop:
         self.groups_per_step = groups_per_step
         self.table = table
         self.sample_timeout_ms = sample_timeout_ms
+        self.sample_lease_s = sample_lease_s  # > 0: batches are leased from replay, acknowledged after their step
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.checkpoint_every = checkpoint_every
         self.keep_checkpoints = keep_checkpoints
@@ -160,11 +168,13 @@ class LearnerLoop:
                     self.sync_replicas()
             except Exception:  # noqa: BLE001 - resolving or a replica failing never stops training
                 _log.exception("replica sync failed")
+            lease = ""
             if sampled is None:
                 try:
                     r = self.replay.sample_batch(self.groups_per_step, self.table, self.sample_timeout_ms,
-                                               current_policy_version=self.trainer.policy_version)
-                    sampled = list(r.groups), list(r.info)
+                                               current_policy_version=self.trainer.policy_version,
+                                               lease_ms=int(self.sample_lease_s * 1000))
+                    sampled, lease = (list(r.groups), list(r.info)), r.lease_id
                 except grpc.RpcError as e:
                     if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                         _log.warning("sample failed", code=e.code().name, details=e.details())
@@ -172,9 +182,52 @@ class LearnerLoop:
                     continue
             with self._lock:
                 if not self._resume.is_set() or self._stop.is_set():  # paused while sampling: keep the batch
-                    self._pending = sampled
+                    if lease:  # replay keeps it: given back now, drawn again after resume
+                        self._settle(lease, "requeue")
+                    else:
+                        self._pending = sampled
                     continue
-                self._step(*sampled, t0)
+                with self._lease_renewed(lease):
+                    try:
+                        self._step(*sampled, t0)
+                    except BaseException:
+                        self._settle(lease, "requeue")
+                        raise
+                self._settle(lease, "ack")
+
+    # -- replay leases --------------------------------------------------------------------------
+    @contextmanager
+    def _lease_renewed(self, lease: str):
+        """While the block runs, extend ``lease`` every third of its length (a slow step keeps its batch)."""
+        if not lease:
+            yield
+            return
+        done = threading.Event()
+
+        def renew():
+            while not done.wait(self.sample_lease_s / 3):
+                try:
+                    self.replay.ack_sample(lease, "extend", int(self.sample_lease_s * 1000))
+                except grpc.RpcError as e:
+                    _log.warning("replay lease not extended", lease_id=lease, code=e.code().name, details=e.details())
+
+        renewer = threading.Thread(target=renew, name="learner-lease", daemon=True)
+        renewer.start()
+        try:
+            yield
+        finally:
+            done.set()
+            renewer.join()
+
+    def _settle(self, lease: str, action: str) -> None:
+        if not lease:
+            return
+        try:
+            self.replay.ack_sample(lease, action)
+        except grpc.RpcError as e:  # NOT_FOUND: it ran out and replay gave the batch back (it may train again)
+            LEASES_LOST.inc()
+            _log.warning("replay lease not settled", lease_id=lease, action=action, code=e.code().name,
+                         details=e.details())
 
     # -- one step ------------------------------------------------------------------------------
     def train_on(self, groups: list[common_pb2.RolloutGroup], t0: float | None = None,

@@ -42,7 +42,8 @@ class LearnerService(Service[LearnerConfig]):
                                 checkpoint_dir=config.checkpoint_dir or Path(config.data_dir) / "checkpoints",
                                 checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints,
                                 priority_signal=config.priority_signal, model_dir=config.model_dir,
-                                mirror=mirror, policy_dir=config.policy_dir or None)
+                                mirror=mirror, policy_dir=config.policy_dir or None,
+                                sample_lease_s=config.sample_lease_seconds)
         kafka.ensure_topics(config.kafka_bootstrap)
         self.loop.producer = kafka.ProtoProducer(config.kafka_bootstrap, client_id="temper-learner")
         stack.callback(self.loop.producer.close)

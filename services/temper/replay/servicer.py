@@ -20,11 +20,13 @@ from temper.runtime.errors import reject_unknown_fields, require
 from temper.v1 import replay_pb2, replay_pb2_grpc
 
 SERVICE = replay_pb2.DESCRIPTOR.services_by_name["ReplayService"]
+ACK_ACTIONS = {replay_pb2.AckSampleRequest.ACTION_ACK: "ack", replay_pb2.AckSampleRequest.ACTION_REQUEUE: "requeue",
+               replay_pb2.AckSampleRequest.ACTION_EXTEND: "extend"}
 
 
 def encode_sample_response(result: SampleResult) -> bytes:
     """``SampleResponse`` wire bytes: stored group bytes framed as field 1, the rest serialized."""
-    head = replay_pb2.SampleResponse(current_policy_version=result.policy_version, info=[
+    head = replay_pb2.SampleResponse(current_policy_version=result.policy_version, lease_id=result.lease_id, info=[
         replay_pb2.SampleInfo(group_id=d.group_id, probability=d.probability, importance_weight=d.importance_weight,
                               priority=d.priority, times_sampled=d.times_sampled, table_size=d.table_size,
                               policy_version=d.policy_version, inserted_unix_ms=d.inserted_ms)
@@ -91,8 +93,16 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
                                     if request.HasField("current_policy_version") else None),
             importance_sampling_exponent=(request.importance_sampling_exponent
                                           if request.HasField("importance_sampling_exponent") else None),
-            alive=context.is_active if context is not None else None)
+            alive=context.is_active if context is not None else None, lease_s=request.lease_ms / 1000)
         return encode_sample_response(result)
+
+    def AckSample(self, request, context):
+        reject_unknown_fields(request, "request")
+        action = ACK_ACTIONS.get(request.action)
+        require(action is not None, "action", f"unknown action {request.action}")
+        require(request.action == replay_pb2.AckSampleRequest.ACTION_EXTEND or request.extend_ms == 0, "extend_ms",
+                "only with ACTION_EXTEND")
+        return replay_pb2.AckSampleResponse(groups=self.store.ack(request.lease_id, action, request.extend_ms / 1000))
 
     def UpdatePriorities(self, request, context):
         reject_unknown_fields(request, "request")

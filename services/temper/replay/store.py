@@ -17,7 +17,14 @@ Invariants:
   up. Samples from tables without either (unlimited draws, no ratio) change nothing a restart
   depends on; their times-sampled and sample counters are written with the next transaction,
   a checkpoint, or at close;
-- groups are inserted and sampled whole.
+- groups are inserted and sampled whole;
+- a leased sample (``lease_s`` > 0) changes nothing durable until ``ack`` acknowledges it: its draws are
+  held in memory, given back to the table (as if never drawn) when the lease runs out or is requeued, and
+  on a restart every outstanding lease is back too (the store reloads what is durable). Delivery is then at
+  least once: a caller that dies between the draw and its ack loses nothing, and one that acks after its
+  lease ran out learns it (NOT_FOUND) -- its groups may be drawn again. Counters written by other
+  transactions meanwhile include the outstanding draws (a restart then counts them as samples: the rate
+  limiter errs towards fewer samples, never more).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import re
 import sqlite3
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -37,6 +45,7 @@ from temper.replay.payloads import PayloadLog
 from temper.replay.tables import Draw, Removal, Table, TableConfig, TableStats
 from temper.replay.wire import array_lengths
 from temper.runtime.errors import Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, require
+from temper.runtime.logs import get_logger
 from temper.runtime.sqlite import open_sqlite
 from temper.runtime.storage import Mirror
 from temper.v1 import common_pb2
@@ -64,7 +73,10 @@ CREATE TABLE IF NOT EXISTS counters (tbl TEXT, name TEXT, value INTEGER, PRIMARY
 """
 NEW_COLUMNS = (("priority", "REAL NOT NULL DEFAULT 1.0"), ("times_sampled", "INTEGER NOT NULL DEFAULT 0"),
                ("inserted_ms", "INTEGER NOT NULL DEFAULT 0"), ("seg", "TEXT"), ("off", "INTEGER"), ("len", "INTEGER"))
+_log = get_logger(component="replay-store")
+
 MAX_CHUNK = 256  # groups per insert transaction (group commit): bounds how long an insert holds the lock
+MAX_LEASE_S = 86_400.0  # longest lease a sample may ask for (a day)
 COMPACT_EVERY_S = 5.0  # how often inserts look for sparse payload segments to compact
 CHECKPOINT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -125,6 +137,17 @@ class SampleResult:
     draws: list[Draw]
     policy_version: int
     limiter: tuple[int, int, int]  # (inserts, samples, deletes) right after this sample
+    lease_id: str = ""  # a leased sample's: acknowledge it with ``ack``
+
+
+@dataclass
+class Lease:
+    """Draws held for a caller until it acknowledges them (``ReplayStore.ack``) or ``deadline`` passes."""
+
+    table: str
+    deadline: float  # time.monotonic()
+    draws: list[Draw]
+    removed: list[tuple[int, Removal]]  # the items these draws used up (gone from memory, not yet from disk)
 
 
 @dataclass
@@ -161,6 +184,7 @@ class ReplayStore:
         self._garbage = False  # a segment may have lost its last reference
         self._deferred: dict[int, int] = {}  # seq -> times_sampled not yet written
         self._dirty: set[str] = set()  # tables whose counters are not yet written
+        self._leases: dict[str, Lease] = {}  # lease id -> draws held (memory only: a restart gives them back)
         self._last_compaction = time.monotonic()
         self._db = open_sqlite(self.path, durable=fsync)
         self._migrate()
@@ -198,6 +222,7 @@ class ReplayStore:
         used = [self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM items").fetchone()[0],
                 *(r[0] for r in self._db.execute("SELECT seq FROM sqlite_sequence WHERE name='items'"))]
         self._next_seq = 1 + max(used)
+        self._leases.clear()  # what they held is live again on disk, so in the tables rebuilt below
         self._deferred.clear()
         self._dirty.clear()
         configured = sorted(self.configs)
@@ -300,11 +325,13 @@ class ReplayStore:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise DeadlineExceeded(f"table {table.name!r} not ready for {side}: {why}", field=field)
-                self._cond.wait(left if alive is None else min(left, 1.0))
+                # at least every second while a caller may go away or a lease may run out
+                self._cond.wait(left if alive is None and not self._leases else min(left, 1.0))
                 if alive is not None and not alive():
                     raise Cancelled(f"the caller went away while waiting to {side}", field=field)
                 if self._closed:
                     raise FailedPrecondition("the replay store is closing")
+                self._expire_leases()
                 why = not_ready()
         finally:
             setattr(table, counter, getattr(table, counter) - 1)
@@ -344,6 +371,7 @@ class ReplayStore:
         result = InsertResult()
         deadline = time.monotonic() + timeout
         with self._cond:
+            self._expire_leases()
             i = 0
             while i < len(pending):
                 self._wait(t, "insert", deadline, partial(self._insert_blocked, table), pending[i].field)
@@ -417,15 +445,18 @@ class ReplayStore:
     def sample(self, table: str, batch_size: int, timeout: float, max_batch: int,
                current_policy_version: int | None = None,
                importance_sampling_exponent: float | None = None,
-               alive: Callable[[], bool] | None = None) -> SampleResult:
+               alive: Callable[[], bool] | None = None, lease_s: float = 0.0) -> SampleResult:
         """Draw ``batch_size`` groups, waiting up to ``timeout`` s until the table can give them.
         ``alive``: whether the caller still waits for them (a gRPC call's ``is_active``); checked on
         every wake-up and just before drawing, so a caller that went away (a learner killed while
         its Sample waited) never takes groups -- with ``max_times_sampled`` they would be removed
-        and its response never read."""
+        and its response never read. ``lease_s`` > 0: the draws are held for the caller (see ``ack``)
+        instead of final; the result carries the lease id."""
         t = self._table(table)
         require(1 <= batch_size <= max_batch, "batch_size", f"must be in [1, {max_batch}], got {batch_size}")
         require(timeout >= 0, "timeout_ms", "must be >= 0")
+        require(math.isfinite(lease_s) and 0 <= lease_s <= MAX_LEASE_S, "lease_ms",
+                f"must be in [0, {MAX_LEASE_S * 1000:.0f}], got {lease_s * 1000:.0f}")
         if current_policy_version is not None:
             require(current_policy_version >= 0, "current_policy_version", f"must be >= 0, got {current_policy_version}")
         beta = t.config.importance_sampling_exponent
@@ -439,6 +470,7 @@ class ReplayStore:
                 f"rate limiter band allow at most {limit} per sample")
         deadline = time.monotonic() + timeout
         with self._cond:
+            self._expire_leases()
             if current_policy_version is not None and current_policy_version > t.policy_version:
                 self._transaction(lambda: self._persist(t, t.observe_version(current_policy_version)), [t])
                 self._cond.notify_all()
@@ -447,6 +479,12 @@ class ReplayStore:
                 raise Cancelled("the caller went away before the sample was drawn", field="batch_size")
             t = self._table(table)
             draws, removed = t.sample(batch_size, beta)
+            if lease_s > 0:  # nothing durable changes until the caller acknowledges
+                lease_id = uuid.uuid4().hex
+                self._leases[lease_id] = Lease(t.name, time.monotonic() + lease_s, draws, removed)
+                self._cond.notify_all()
+                return SampleResult(draws, t.policy_version, (t.limiter.inserts, t.limiter.samples,
+                                                              t.limiter.deletes), lease_id)
             times = {d.seq: d.times_sampled for d in draws}
             if removed or t.config.max_times_sampled or math.isfinite(t.limiter.min_diff):
                 def body():
@@ -459,6 +497,64 @@ class ReplayStore:
                 self._dirty.add(t.name)
             self._cond.notify_all()
             return SampleResult(draws, t.policy_version, (t.limiter.inserts, t.limiter.samples, t.limiter.deletes))
+
+    # -- leases ----------------------------------------------------------------------------------
+    def ack(self, lease_id: str, action: str = "ack", extend_s: float = 0.0) -> int:
+        """Settle a leased sample: "ack" makes its draws final (durable before this returns, as an unleased
+        sample's), "requeue" gives its groups back now (as if never drawn), "extend" holds them ``extend_s``
+        more from now. Returns how many draws the lease held; NOT_FOUND if it ran out or was never given."""
+        require(bool(lease_id), "lease_id", "required")
+        require(action in ("ack", "requeue", "extend"), "action", f"unknown action {action!r}")
+        if action == "extend":
+            require(math.isfinite(extend_s) and 0 < extend_s <= MAX_LEASE_S, "extend_ms",
+                    f"must be in (0, {MAX_LEASE_S * 1000:.0f}] to extend, got {extend_s * 1000:.0f}")
+        with self._cond:
+            self._expire_leases()
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                raise NotFound(f"lease {lease_id!r} is not held: it ran out (its groups went back to the table) "
+                               "or was never given", field="lease_id")
+            if action == "extend":
+                lease.deadline = time.monotonic() + extend_s
+                return len(lease.draws)
+            del self._leases[lease_id]
+            t = self.tables[lease.table]
+            if action == "requeue":
+                self._give_back(lease)
+            else:
+                times = {d.seq: d.times_sampled for d in lease.draws}
+
+                def body():
+                    self._db.executemany("UPDATE items SET times_sampled=? WHERE seq=?",
+                                         [(n, s) for s, n in times.items()])
+                    self._persist(t, lease.removed)
+
+                self._transaction(body, [t])
+            self._cond.notify_all()
+            return len(lease.draws)
+
+    def leased(self, table: str) -> int:
+        """Draws from ``table`` held by outstanding leases."""
+        with self._cond:
+            self._expire_leases()
+            return sum(len(lease.draws) for lease in self._leases.values() if lease.table == table)
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        for lease_id in [k for k, lease in self._leases.items() if lease.deadline <= now]:
+            lease = self._leases.pop(lease_id)
+            _log.warning("lease ran out: its groups go back to the table", lease_id=lease_id, table=lease.table,
+                         groups=len({d.seq for d in lease.draws}))
+            self._give_back(lease)
+            self._cond.notify_all()
+
+    def _give_back(self, lease: Lease) -> None:
+        t = self.tables[lease.table]
+        removed = t.unsample(lease.draws, lease.removed)
+        if removed:  # the table's limits on what came back (e.g. it filled up meanwhile)
+            self._transaction(lambda: self._persist(t, removed), [t])
+        else:
+            self._dirty.add(t.name)
 
     # -- priorities ------------------------------------------------------------------------------
     def update_priorities(self, table: str, priorities: dict[str, float]) -> tuple[int, list[str]]:

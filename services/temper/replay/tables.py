@@ -20,7 +20,7 @@ Semantics (DeepMind Reverb's, plus what LLM RL needs):
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from typing import Literal
@@ -98,6 +98,7 @@ class Draw:
     table_size: int  # items in the table when drawn
     policy_version: int
     inserted_ms: int
+    domain: str = ""
 
 
 @dataclass
@@ -272,7 +273,8 @@ class Table:
                     weight = (w_min / float(w[i])) ** beta
                 draws.append(Draw(int(items.seq[i]), items.group_id[i], items.payload[i], probability, weight,
                                   float(items.priority[i]), int(items.times_sampled[i]), items.n - len(gone),
-                                  int(items.version[i]), int(items.inserted_ms[i])))
+                                  int(items.version[i]), int(items.inserted_ms[i]),
+                                  items.domain_names[int(items.domain[i])]))
                 if left[i] == 0:
                     gone.append(i)
                     if w is not None:
@@ -285,6 +287,27 @@ class Table:
             removed += self._remove(gone, Removal.SAMPLED_OUT)
         self.limiter.samples += n
         return draws, removed
+
+    def unsample(self, draws: list[Draw], removed: list[tuple[int, Removal]]) -> list[tuple[int, Removal]]:
+        """Undo a ``sample`` (a lease given back): its items as if never drawn -- those it used up live again,
+        the others' times sampled back, counters back. Items that left meanwhile for another reason stay
+        gone; the table's limits then apply (returns what they removed)."""
+        count = Counter(d.seq for d in draws)
+        last = {d.seq: d for d in draws}  # an item's last draw carries its times sampled after the sample
+        gone = {seq for seq, _ in removed}
+        for seq, n in count.items():
+            d = last[seq]
+            if seq in gone:
+                self.load(seq, d.group_id, d.domain, d.policy_version, d.priority, d.payload, d.inserted_ms,
+                          d.times_sampled - n)
+            elif seq in self.items.pos:
+                self.items.times_sampled[self.items.pos[seq]] -= n
+        if gone:  # back in insertion order (fifo / lifo read it), not at the end
+            self.items.order = OrderedDict((seq, None) for seq in sorted(self.items.order))
+        self.limiter.deletes -= len(removed)
+        self.removed[Removal.SAMPLED_OUT] -= len(removed)
+        self.limiter.samples -= len(draws)
+        return self.enforce_limits()
 
     # -- priorities ----------------------------------------------------------------------------
     def update_priorities(self, priorities: dict[str, float]) -> tuple[dict[int, float], list[str]]:
