@@ -262,8 +262,8 @@ class ReplayClient(_Client):
     def ack_sample(self, lease_id: str, action: str = "ack", extend_ms: int = 0) -> replay_pb2.AckSampleResponse:
         """Settle a leased sample: "ack" (its draws final), "requeue" (its groups back now) or "extend"
         (held ``extend_ms`` more). NOT_FOUND: the lease ran out and its groups went back."""
-        actions = {"ack": replay_pb2.AckSampleRequest.ACTION_ACK, "requeue": replay_pb2.AckSampleRequest.ACTION_REQUEUE,
-                   "extend": replay_pb2.AckSampleRequest.ACTION_EXTEND}
+        req = replay_pb2.AckSampleRequest
+        actions = {"ack": req.ACTION_UNSPECIFIED, "requeue": req.ACTION_REQUEUE, "extend": req.ACTION_EXTEND}
         if action not in actions:
             raise ValueError(f"action must be one of {sorted(actions)}, got {action!r}")
         return self.stub.AckSample(replay_pb2.AckSampleRequest(lease_id=lease_id, action=actions[action],

@@ -20,7 +20,7 @@ from temper.runtime.errors import reject_unknown_fields, require
 from temper.v1 import replay_pb2, replay_pb2_grpc
 
 SERVICE = replay_pb2.DESCRIPTOR.services_by_name["ReplayService"]
-ACK_ACTIONS = {replay_pb2.AckSampleRequest.ACTION_ACK: "ack", replay_pb2.AckSampleRequest.ACTION_REQUEUE: "requeue",
+ACK_ACTIONS = {replay_pb2.AckSampleRequest.ACTION_UNSPECIFIED: "ack", replay_pb2.AckSampleRequest.ACTION_REQUEUE: "requeue",
                replay_pb2.AckSampleRequest.ACTION_EXTEND: "extend"}
 
 
