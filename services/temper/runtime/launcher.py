@@ -361,6 +361,11 @@ class Launcher:
                 args += [flag, str(job[w["from_job"]])]
         return args
 
+    def _cpu_threads(self, service: str) -> int:
+        """The ``cpu_threads`` of a service's table in the config (0: none set)."""
+        value = self.config().get(service, {}).get("cpu_threads", 0)
+        return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
     def _start(self, p: Proc, state: State) -> Proc:
         if p.port_file:  # a report left by an earlier process must not be taken for this one's
             Path(p.port_file).unlink(missing_ok=True)
@@ -368,7 +373,8 @@ class Launcher:
             proc = subprocess.Popen(p.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True,
                                     env=_service_env(state.auth_token_file,
-                                                     tls_dir_of(state.tls_dir, service_of(p.name))))
+                                                     tls_dir_of(state.tls_dir, service_of(p.name)),
+                                                     self._cpu_threads(service_of(p.name))))
         # kept: a dropped Popen of a live child is reaped by the next Popen's clean-up, status lost
         self._children[proc.pid] = proc
         p.pid, p.started_at = proc.pid, time.time()
@@ -602,9 +608,9 @@ def _terminate(procs: list[Proc], grace: float) -> list[str]:
     return [p.name for p in live]
 
 
-def _service_env(auth_token_file: str, tls_dir: str = "") -> dict[str, str]:
+def _service_env(auth_token_file: str, tls_dir: str = "", cpu_threads: int = 0) -> dict[str, str]:
     """A child's environment: ours, with the auth token's file and the child's own TLS identity folder when the
-    stack has them (and never another's)."""
+    stack has them (and never another's); ``cpu_threads`` > 0 (its table's ``cpu_threads``): its OMP_NUM_THREADS."""
     env = {k: v for k, v in os.environ.items() if k not in (AUTH_TOKEN_FILE_ENV, TLS_DIR_ENV)}
     if auth_token_file:
         env[AUTH_TOKEN_FILE_ENV] = auth_token_file
@@ -613,7 +619,8 @@ def _service_env(auth_token_file: str, tls_dir: str = "") -> dict[str, str]:
     # Seven services and the broker share the machine's cores: an OpenMP thread that spins while it waits
     # (libgomp's default) takes a core another service needs. Passive waiting measured here: vLLM's greedy
     # answers to 150 SmolLM2 prompts took 40 s instead of 72 s with other work on both cores.
-    return {**env, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    threads = str(cpu_threads) if cpu_threads > 0 else os.environ.get("OMP_NUM_THREADS", "1")
+    return {**env, "OMP_NUM_THREADS": threads,
             "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
             "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 
