@@ -283,6 +283,11 @@ class Trainer:
         stored = stored_dtype(model_dir)
         self.compute_dtype = autocast_dtype(config.autocast, self.device, stored)
         self.push_dtype = push_dtype(config.push_dtype, self.device, stored)
+        if self.push_dtype in (torch.bfloat16, torch.float16) and config.lr < 1e-4:
+            # measured on SmolLM2 (bf16-stored): one Adam step at lr 1e-5 changed 2.0 % of the pushed bf16 weights
+            log.warning("pushing %s weights at lr %g: most updates are below half precision's resolution, so the "
+                        "served policy lags the trained one; serve and push fp32 (inference dtype = \"float32\", "
+                        "push_dtype = \"fp32\") to train what is served", self.push_dtype, config.lr)
         # fp32 master weights always: autocast only changes the dtype the matmuls compute in
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         if config.gradient_checkpointing:
