@@ -485,15 +485,10 @@ class ReplayStore:
                 self._cond.notify_all()
                 return SampleResult(draws, t.policy_version, (t.limiter.inserts, t.limiter.samples,
                                                               t.limiter.deletes), lease_id)
-            times = {d.seq: d.times_sampled for d in draws}
             if removed or t.config.max_times_sampled or math.isfinite(t.limiter.min_diff):
-                def body():
-                    self._db.executemany("UPDATE items SET times_sampled=? WHERE seq=?", [(n, s) for s, n in times.items()])
-                    self._persist(t, removed)
-
-                self._transaction(body, [t])  # a failure rolls the draws back (tables reloaded)
+                self._commit_draws(t, draws, removed)  # a failure rolls the draws back (tables reloaded)
             else:  # nothing a restart depends on changed: write it with the next transaction
-                self._deferred.update(times)
+                self._deferred.update({d.seq: d.times_sampled for d in draws})
                 self._dirty.add(t.name)
             self._cond.notify_all()
             return SampleResult(draws, t.policy_version, (t.limiter.inserts, t.limiter.samples, t.limiter.deletes))
@@ -522,16 +517,19 @@ class ReplayStore:
             if action == "requeue":
                 self._give_back(lease)
             else:
-                times = {d.seq: d.times_sampled for d in lease.draws}
-
-                def body():
-                    self._db.executemany("UPDATE items SET times_sampled=? WHERE seq=?",
-                                         [(n, s) for s, n in times.items()])
-                    self._persist(t, lease.removed)
-
-                self._transaction(body, [t])
+                self._commit_draws(t, lease.draws, lease.removed)
             self._cond.notify_all()
             return len(lease.draws)
+
+    def _commit_draws(self, t: Table, draws: list[Draw], removed: list[tuple[int, Removal]]) -> None:
+        """Make a sample's draws durable: the items' times sampled, the removals they caused, the counters."""
+        times = {d.seq: d.times_sampled for d in draws}
+
+        def body():
+            self._db.executemany("UPDATE items SET times_sampled=? WHERE seq=?", [(n, s) for s, n in times.items()])
+            self._persist(t, removed)
+
+        self._transaction(body, [t])
 
     def leased(self, table: str) -> int:
         """Draws from ``table`` held by outstanding leases."""
