@@ -27,7 +27,8 @@ rollout the scheduler published before the stop; TRL: every completion the rewar
 Parts (each a test, so each fits a run of its own): ``test_trl_side[seedS]`` and
 ``test_temper_side[seedS-lagL]`` write ``$TEMPER_BENCH_OUT/<part>-budget<B>.json`` (default
 bench-results/trl/); ``test_report`` prints the table from the parts present for this budget and
-writes ``trl_vs_temper-budget<B>.json``. Seeds: ``TEMPER_BENCH_SEEDS`` (default 0,1); lags:
+writes ``trl_vs_temper-budget<B>.json``. Seeds: ``TEMPER_BENCH_SEEDS`` (default 0,3: seeds 1, 2 and 4 draw
+training prompts that overlap rg.products' held-out set, which the job refuses); lags:
 ``TEMPER_BENCH_LAGS`` (default 0,1,2). Goal: Temper's gain >= 1.5x TRL's.
 Run: ``make bench-peers`` once, then ``make bench`` (or ``pytest -s -m bench tests/bench/test_trl_bench.py``).
 """
@@ -56,7 +57,7 @@ TRL_PYTHON = TRL_VENV / "bin" / "python"
 PEER = Path(__file__).with_name("trl_peer.py")
 JOB = jobs.path("smollm2")
 BUDGET_S = float(os.environ.get("TEMPER_BENCH_BUDGET_S", "1800"))
-SEEDS = [int(s) for s in os.environ.get("TEMPER_BENCH_SEEDS", "0,1").split(",") if s.strip()]
+SEEDS = [int(s) for s in os.environ.get("TEMPER_BENCH_SEEDS", "0,3").split(",") if s.strip()]
 LAGS = [int(s) for s in os.environ.get("TEMPER_BENCH_LAGS", "0,1,2").split(",") if s.strip()]
 OUT = Path(os.environ.get("TEMPER_BENCH_OUT", ROOT / "bench-results" / "trl"))
 TRL_THREADS = os.environ.get("TEMPER_BENCH_TRL_THREADS", "2")  # the machine's 2 cores, to one process

@@ -53,6 +53,13 @@ def frame(home) -> dict:
     return json.loads(p.stdout)
 
 
+def temper_report(home, job_id, out) -> dict:
+    p = subprocess.run([sys.executable, "-m", "temper.cli.main", "--home", str(home), "report", job_id, "--out", str(out)],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0 and f"job {job_id} (done): {STEPS} learner steps" in p.stdout, p.stdout + p.stderr[-3000:]
+    return json.loads((out / "report.json").read_text())
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     base = tmp_path_factory.mktemp("monview")
@@ -140,6 +147,28 @@ def test_monitor_view_matches_the_services_while_held_and_when_done(stack):
     assert any("toy.copy" in line and reward in line for line in plain.stdout.splitlines()), plain.stdout
     assert any("training_signal" in line and "warn" in line and newest["evidence"] in line
                for line in plain.stdout.splitlines()), plain.stdout
+
+    # `temper report JOB`: the monitor's curves and alerts and the scheduler's evaluations, as files
+    out = launcher.home / "report"
+    written = temper_report(launcher.home, job_id, out)
+    series = monitor.list_steps(job_id, last=1000)
+    learner_series = next(s.steps for s in series if s.source == "metrics")
+    assert written["learner"]["entropy"] == [[p.step, p.values["entropy"]] for p in learner_series]
+    assert written["learner"]["mean_reward"][-1] == [STEPS, learner_series[-1].values["mean_reward"]]
+    for s in series:
+        if s.source == "scored":
+            assert written["scored"][s.domain]["reward"] == [[p.step, p.values["reward"]] for p in s.steps]
+    assert [a["alert_id"] for a in written["alerts"]] == [a.alert_id for a in monitor.list_alerts(job_id=job_id)]
+    assert [(e["phase"], e["policy_version"], e["accuracy"]) for e in written["evals"]] == \
+        [(e.phase, e.policy_version, dict(e.accuracy)) for e in scheduler.job(job_id).evals]
+    assert written["state"] == "done" and written["summary"]["alerts"] == {"training_signal": len(written["alerts"])}
+    for png in ("reward_curve.png", "training.png", "eval_accuracy.png"):
+        assert (out / png).stat().st_size > 0
+    assert list((out / "tb").glob("events.out.tfevents.*"))
+    launcher.restart("monitor")  # the curves and alerts are durable: the same report from a new monitor process
+    again = temper_report(launcher.home, job_id, out)
+    assert (again["learner"], again["scored"], again["alerts"]) == \
+        (written["learner"], written["scored"], written["alerts"])
 
     launcher.stop_service("monitor")  # a missing service: named in the view, the rest still there
     gone = frame(launcher.home)

@@ -243,14 +243,12 @@ def sampling_summary(status: scheduler_pb2.JobStatus) -> dict:
 
 def write_report(out_dir: Path, spec: JobSpec, config: dict, steps: list[common_pb2.StepMetrics],
                  wall_seconds: float, followed: Followed | None = None, extra: dict | None = None) -> Path:
-    """Write summary.json, reward_curve.png (and eval_accuracy.png with evaluations) into ``out_dir``;
-    point ``out_dir.parent/latest`` at it."""
+    """Write summary.json and the report of it (temper.cli.report: report.json, reward_curve.png, training.png,
+    eval_accuracy.png with evaluations, TensorBoard events in tb/) into ``out_dir``; point ``out_dir.parent/latest``
+    at it."""
+    from temper.cli import report
+
     status = followed.status if followed is not None else None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     out_dir.mkdir(parents=True, exist_ok=True)
     k = max(1, len(steps) // 5)
     first = [m.mean_reward for m in steps[:k]]
@@ -282,44 +280,10 @@ def write_report(out_dir: Path, spec: JobSpec, config: dict, steps: list[common_
         summary["samples"] = {str(k): v for k, v in followed.samples.items()}
         summary["sampling"] = sampling_summary(followed.status)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([m.step for m in steps], [m.mean_reward for m in steps], label="all", linewidth=2)
-    for d in sorted({d for m in steps for d in m.domain_mean_reward}):
-        pts = [(m.step, m.domain_mean_reward[d]) for m in steps if d in m.domain_mean_reward]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=d, alpha=0.6)
-    ax.set_xlabel("learner step (policy version)")
-    ax.set_ylabel("mean reward")
-    ax.set_ylim(-0.02, 1.02)
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out_dir / "reward_curve.png", dpi=100)
-    plt.close(fig)
-    if evals:
-        plot_evals(evals, out_dir / "eval_accuracy.png")
+    report.write(out_dir, report.from_summary(out_dir / "summary.json"))
     latest = out_dir.parent / "latest"
     if latest.is_symlink() or latest.exists():
         latest.unlink()
     latest.symlink_to(out_dir.name)
     return out_dir
 
-
-def plot_evals(evals, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for d in evals[0].accuracy:
-        pts = [(e.policy_version, e.accuracy[d]) for e in evals if d in e.accuracy]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=d)
-    ax.set_xlabel("policy version")
-    how = "greedy" if evals[0].temperature == 0 else f"pass@1 of {evals[0].samples} samples, T = {evals[0].temperature:g}"
-    ax.set_ylabel(f"held-out accuracy ({how}; {evals[0].problems} problems/domain)")
-    ax.set_ylim(-0.02, 1.02)
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

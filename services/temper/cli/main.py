@@ -9,6 +9,8 @@
   temper config show        the resolved configuration of the job and every service, each value's source
   temper eval --model DIR --domains D [D ...]   held-out greedy accuracy of a model folder alone
   temper monitor            live view of the running job (rewards, KL, entropy, lag, throughput, alerts)
+  temper report RUN         PNG plots, report.json and TensorBoard events of a run folder (runs/latest) or of a
+                            running job by id (the monitor's curves and alerts, the scheduler's evaluations)
   temper doctor             check what this machine needs, and say how to fix what is missing
   temper sandbox languages  the languages the sandbox runs, with their aliases (python, py, c++, sh, ...)
   temper sandbox exec FILE  run FILE in the gVisor sandbox service; prints the verdict as JSON ("status")
@@ -132,6 +134,38 @@ def cmd_monitor(args) -> int:
         monitor.live(fetch, args.interval, console)
     except KeyboardInterrupt:
         pass
+    return 0
+
+
+def cmd_report(args) -> int:
+    """A run folder's report (its summary.json), or a job's from the running services (temper.cli.report)."""
+    import grpc
+
+    from temper.cli import report
+
+    run = Path(args.run)
+    if run.exists():
+        data = report.from_summary(run)
+        out = Path(args.out) if args.out else (run if run.is_dir() else run.parent)
+    else:
+        try:
+            data = report.from_services(_launcher(args).load(), args.run)
+        except grpc.RpcError as e:
+            raise RuntimeError(f"report of job {args.run}: {e.code().name}: {e.details()}") from None
+        out = Path(args.out) if args.out else Path(args.runs) / args.run
+    report.write(out, data)
+    s = report.summarize(data)
+    line = f"job {data.job_id}" + (f" ({data.state})" if data.state else "") + f": {s['reward']['steps']} learner steps"
+    if s["reward"]["steps"]:
+        line += f", reward {s['reward']['first']:.3f} -> {s['reward']['last']:.3f}"
+    if "eval" in s:
+        before, after = s["eval"]["before"], s["eval"]["after"]
+        line += (f", held-out {sum(before.values()) / max(1, len(before)):.3f} -> "
+                 f"{sum(after.values()) / max(1, len(after)):.3f}")
+    line += f", {len(data.alerts)} alerts"
+    print(line)
+    print(f"report: {out}/report.json, reward_curve.png, training.png" + (", eval_accuracy.png" if data.evals else "")
+          + f"; TensorBoard: tensorboard --logdir {out}/tb")
     return 0
 
 
@@ -542,6 +576,11 @@ def build_parser() -> argparse.ArgumentParser:
     mo.add_argument("--json", action="store_true", help="print the frame's data as one JSON object and exit")
     mo.add_argument("--alerts", type=int, default=5, help="newest alerts shown")
     mo.add_argument("--table", default="default", help="the replay table whose size is shown")
+    rp = command("report", cmd_report, "PNG plots, report.json and TensorBoard event files of a run")
+    rp.add_argument("run", metavar="RUN", help="a run folder `temper run` wrote (runs/latest), or the id of a job "
+                    "of the running services")
+    rp.add_argument("--out", default="", help="where to write (default: the run folder, else RUNS/<job id>)")
+    rp.add_argument("--runs", default="runs", help="a job id's report goes to RUNS/<job id>/ unless --out")
     command("resume", cmd_resume, "continue a paused job").add_argument("job_id", metavar="JOB")
     command("doctor", cmd_doctor, "check what this machine needs (runsc, broker, model, memory, ports)")
     ev = command("eval", cmd_eval, "held-out accuracy of a model folder (greedy, or pass@1 over sampled answers), "
