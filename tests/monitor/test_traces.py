@@ -152,6 +152,20 @@ def test_traces_join_groups_in_either_order_and_name_the_trajectories(tmp_path, 
     m.close()
 
 
+def test_an_execute_trace_with_an_origin_joins_its_trajectory_without_flags(tmp_path):
+    m = Monitor(tmp_path / "m.sqlite")  # e.g. a tool-using agent's client ran the completion's code with Execute
+    gid = "job/s0/p0"
+    run = V.ExecutionTrace(execution_id="x0", method="Execute", verdict=V.VERDICT_OK,
+                           execute_request=V.ExecuteRequest(language="python3", files=[V.SourceFile(content=b"print(1)")]),
+                           execute_response=result(V.VERDICT_OK, stdout=b"1\n"),
+                           origin=V.ExecutionOrigin(job_id="job", group_id=gid, trajectory_ids=[f"{gid}/0"]))
+    assert m.add_trace(run) == []
+    assert m.add_scored(code_group("job", 0, 0, [GOOD, GOOD], [1.0, 1.0])) == []
+    values = m.series("job", "code.fib")[-1].values
+    assert values["code.traced"] == 1 and values.get("code.observed", 0) == 0
+    m.close()
+
+
 def test_bad_traces_are_refused_and_unlinked_ones_ignored(tmp_path):
     m = Monitor(tmp_path / "m.sqlite")
     unlinked = good_trace()

@@ -27,7 +27,10 @@ def test_an_acknowledged_lease_is_final_and_durable(tmp_path, sampler):
     store.insert("t", [scored_group(g) for g in "abcd"])
     r = store.sample("t", 2, timeout=0, max_batch=10, lease_s=60)
     assert r.lease_id and store.leased("t") == 2 and store.stats("t").size == 2
+    held = store.stats("t")
+    assert (held.leases, held.leased, held.lease_outcomes) == (1, 2, {})
     assert store.ack(r.lease_id) == 2 and store.leased("t") == 0
+    assert store.stats("t").lease_outcomes == {"acked": 1}
     with pytest.raises(NotFound) as e:  # settled once
         store.ack(r.lease_id)
     assert e.value.field == "lease_id"
@@ -62,6 +65,8 @@ def test_a_lease_that_runs_out_hands_its_groups_to_the_next_caller(tmp_path):
     assert got and sorted(ids(got[0])) == ["a", "b"] and time.monotonic() - t0 < 5
     with pytest.raises(NotFound):  # too late: the groups went to someone else
         store.ack(dead.lease_id)
+    stats = store.stats("t")
+    assert (stats.leases, stats.leased, stats.lease_outcomes) == (0, 0, {"expired": 1})
 
 
 def test_an_extended_lease_outlives_its_first_deadline(tmp_path):

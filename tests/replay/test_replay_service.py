@@ -102,13 +102,16 @@ def test_a_leased_sample_is_acknowledged_requeued_or_refused_through_grpc(replay
     client.insert([scored_group("l0"), scored_group("l1")], table="lease")
     held = client.sample_batch(2, table="lease", timeout_ms=0, lease_ms=60_000)
     assert [g.group_id for g in held.groups] == ["l0", "l1"] and held.lease_id
-    assert client.stats("lease").size == 0
+    stats = client.stats("lease")
+    assert (stats.size, stats.leases, stats.leased, dict(stats.lease_outcomes)) == (0, 1, 2, {})
     assert client.ack_sample(held.lease_id, "extend", extend_ms=60_000).groups == 2
     assert client.ack_sample(held.lease_id, "requeue").groups == 2  # back, as if never drawn
     again = client.sample_batch(2, table="lease", timeout_ms=0, lease_ms=60_000)
     assert [g.group_id for g in again.groups] == ["l0", "l1"]
     assert client.ack_sample(again.lease_id).groups == 2
-    assert client.stats("lease").size == 0 and client.stats("lease").removed["sampled_out"] == 2
+    stats = client.stats("lease")
+    assert stats.size == 0 and stats.removed["sampled_out"] == 2
+    assert (stats.leases, stats.leased, dict(stats.lease_outcomes)) == (0, 0, {"acked": 1, "requeued": 1})
     expect(grpc.StatusCode.NOT_FOUND, "lease_id", client.ack_sample, again.lease_id)  # settled already
     expect(IA, "lease_id", client.ack_sample, "")
     expect(IA, "extend_ms", client.ack_sample, "x", "extend")

@@ -1,8 +1,10 @@
-"""A RunTests call's origin (job, group, task, trajectory ids) goes onto its execution trace, whole;
-oversized ids are refused naming the field. The servicer over a scripted executor (no sandbox)."""
+"""An Execute or RunTests call's origin (job, group, task, trajectory ids) goes onto its execution trace,
+whole; oversized ids, or an origin on a RunTests call's program, are refused naming the field. The servicer
+over a scripted executor (no sandbox)."""
 
 import pytest
 
+from temper.client.sdk import SandboxClient
 from temper.runtime.errors import InvalidArgument
 from temper.sandbox import core
 from temper.sandbox.servicer import SandboxServicer, check_origin
@@ -11,6 +13,9 @@ from temper.v1 import sandbox_pb2 as V
 
 class Scripted:
     mode = "isolated"
+
+    def execute(self, program):
+        return core.Result(core.Verdict.OK, stdout=b"y" * 10_000)
 
     def run_tests(self, program, tests, stop_on_first_failure, output_match):
         return core.TestsResult([core.Result(core.Verdict.OK, stdout=b"x" * 10_000)] * len(tests), len(tests),
@@ -38,6 +43,29 @@ def test_the_origin_rides_on_the_trace_whole():
     assert len(first.run_tests_response.results[0].stdout) == 64
     assert list(second.origin.trajectory_ids) == ["a"]
     assert not third.HasField("origin")  # a caller that says nothing gets no origin
+
+
+def test_an_execute_calls_origin_rides_on_its_trace():
+    published = []
+    servicer = SandboxServicer(Scripted(), published.append, trace_max_bytes=64)
+    program = SandboxClient.request("print(1)", origin={"job_id": "job", "group_id": "job/s2/p1",
+                                                        "trajectory_ids": ["job/s2/p1/0"]})
+    servicer.Execute(program, None)
+    servicer.Execute(SandboxClient.request("print(1)"), None)
+    traced, plain = published
+    assert traced.method == "Execute" and len(traced.execute_response.stdout) == 64
+    assert (traced.origin.group_id, list(traced.origin.trajectory_ids)) == ("job/s2/p1", ["job/s2/p1/0"])
+    assert not plain.HasField("origin")
+    with pytest.raises(InvalidArgument, match=r"^origin\.group_id"):
+        servicer.Execute(SandboxClient.request("print(1)", origin={"group_id": "g" * 257}), None)
+    req = SandboxClient.tests_request("print(1)", ["assert True"], origin={"job_id": "job"})
+    assert req.origin.job_id == "job" and not req.program.HasField("origin")  # the SDK puts it on the request
+    req.program.origin.job_id = "elsewhere"
+    with pytest.raises(InvalidArgument, match=r"^program\.origin"):
+        servicer.RunTests(req, None)
+    with pytest.raises(InvalidArgument, match=r"^programs\[0\]\.program\.origin"):
+        servicer.RunTestsBatch(V.RunTestsBatchRequest(programs=[req]), None)
+    assert len(published) == 2  # nothing refused ran or was traced
 
 
 def test_oversized_origins_are_refused_naming_the_field():

@@ -125,6 +125,10 @@ class RewardClient(_Client):
                                    timeout=timeout or max(self.timeout, 300.0))
 
 
+def _origin(origin: sandbox_pb2.ExecutionOrigin | dict | None) -> sandbox_pb2.ExecutionOrigin | None:
+    return sandbox_pb2.ExecutionOrigin(**origin) if isinstance(origin, dict) else origin
+
+
 class SandboxClient(_Client):
     """Run untrusted code in the sandbox service (gVisor). Limits left at 0 take the service's defaults."""
 
@@ -134,8 +138,11 @@ class SandboxClient(_Client):
     def request(source: str | bytes | None = None, language: str = "python3", *,
                 files: dict[str, str | bytes] | None = None, command: Iterable[str] = (), stdin: str | bytes = b"",
                 wall_seconds: float = 0, cpu_seconds: float = 0, memory_mb: int = 0, max_processes: int = 0,
-                max_output_bytes: int = 0) -> sandbox_pb2.ExecuteRequest:
-        """An ExecuteRequest: ``source`` is the language's main file; ``files`` adds others by path."""
+                max_output_bytes: int = 0, origin: sandbox_pb2.ExecutionOrigin | dict | None = None
+                ) -> sandbox_pb2.ExecuteRequest:
+        """An ExecuteRequest: ``source`` is the language's main file; ``files`` adds others by path; ``origin``
+        (an ExecutionOrigin or a dict of its fields: job_id, group_id, task_id, trajectory_ids) goes onto the
+        execution trace, so the monitor joins what the program did to those trajectories."""
         def raw(v):
             return v.encode() if isinstance(v, str) else v
 
@@ -144,7 +151,8 @@ class SandboxClient(_Client):
         return sandbox_pb2.ExecuteRequest(
             language=language, files=sources, command=list(command), stdin=raw(stdin),
             limits=sandbox_pb2.Limits(wall_seconds=wall_seconds, cpu_seconds=cpu_seconds, memory_mb=memory_mb,
-                                      max_processes=max_processes, max_output_bytes=max_output_bytes))
+                                      max_processes=max_processes, max_output_bytes=max_output_bytes),
+            origin=_origin(origin))
 
     def execute(self, source: str | bytes | None = None, language: str = "python3", **kw) -> sandbox_pb2.ExecuteResponse:
         """Run once; ``kw`` as for ``request``. The verdict's short name: ``verdict_name(resp.verdict)``."""
@@ -171,8 +179,9 @@ class SandboxClient(_Client):
                 return sandbox_pb2.TestCase(**t)
             return t
 
+        origin = _origin(kw.pop("origin", None))  # the RunTests request's, not its program's
         return sandbox_pb2.RunTestsRequest(
-            program=cls.request(source, language, **kw), tests=[case(t) for t in tests],
+            program=cls.request(source, language, **kw), tests=[case(t) for t in tests], origin=origin,
             stop_on_first_failure=stop_on_first_failure,
             output_match=sandbox_pb2.OUTPUT_MATCH_EXACT if exact_output else sandbox_pb2.OUTPUT_MATCH_UNSPECIFIED)
 

@@ -185,6 +185,7 @@ class ReplayStore:
         self._deferred: dict[int, int] = {}  # seq -> times_sampled not yet written
         self._dirty: set[str] = set()  # tables whose counters are not yet written
         self._leases: dict[str, Lease] = {}  # lease id -> draws held (memory only: a restart gives them back)
+        self._lease_outcomes: dict[tuple[str, str], int] = {}  # (table, acked | requeued | expired) -> leases settled
         self._last_compaction = time.monotonic()
         self._db = open_sqlite(self.path, durable=fsync)
         self._migrate()
@@ -518,6 +519,7 @@ class ReplayStore:
                 self._give_back(lease)
             else:
                 self._commit_draws(t, lease.draws, lease.removed)
+            self._count_lease(lease.table, "requeued" if action == "requeue" else "acked")
             self._cond.notify_all()
             return len(lease.draws)
 
@@ -534,8 +536,12 @@ class ReplayStore:
     def leased(self, table: str) -> int:
         """Draws from ``table`` held by outstanding leases."""
         with self._cond:
-            self._expire_leases()
-            return sum(len(lease.draws) for lease in self._leases.values() if lease.table == table)
+            return sum(len(lease.draws) for lease in self._held(table))
+
+    def _held(self, table: str) -> list[Lease]:
+        """The outstanding leases of ``table``, after those that ran out gave their draws back."""
+        self._expire_leases()
+        return [lease for lease in self._leases.values() if lease.table == table]
 
     def _expire_leases(self) -> None:
         now = time.monotonic()
@@ -544,7 +550,11 @@ class ReplayStore:
             _log.warning("lease ran out: its groups go back to the table", lease_id=lease_id, table=lease.table,
                          groups=len({d.seq for d in lease.draws}))
             self._give_back(lease)
+            self._count_lease(lease.table, "expired")
             self._cond.notify_all()
+
+    def _count_lease(self, table: str, outcome: str) -> None:
+        self._lease_outcomes[(table, outcome)] = self._lease_outcomes.get((table, outcome), 0) + 1
 
     def _give_back(self, lease: Lease) -> None:
         t = self.tables[lease.table]
@@ -576,7 +586,11 @@ class ReplayStore:
     # -- stats -----------------------------------------------------------------------------------
     def stats(self, table: str) -> TableStats:
         with self._cond:
-            return self._table(table).stats(int(time.time() * 1000))
+            held = self._held(table)  # leases that ran out give their draws back first
+            s = self._table(table).stats(int(time.time() * 1000))
+            s.leases, s.leased = len(held), sum(len(lease.draws) for lease in held)
+            s.lease_outcomes = {o: n for (t, o), n in sorted(self._lease_outcomes.items()) if t == table}
+            return s
 
     # -- payload segments ------------------------------------------------------------------------
     def compact(self, min_fill: float = 0.25) -> int:

@@ -121,6 +121,10 @@ class TableStats:
     waiting_inserts: int
     waiting_samples: int
     config: TableConfig
+    # acknowledged draws (ReplayStore, Sample with a lease): held now, and leases settled since the process started
+    leases: int = 0                      # outstanding leases
+    leased: int = 0                      # draws they hold (given out, neither final nor given back)
+    lease_outcomes: dict[str, int] = field(default_factory=dict)  # acked | requeued | expired -> leases
 
 
 @dataclass

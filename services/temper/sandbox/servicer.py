@@ -44,6 +44,13 @@ def check_origin(origin: sandbox_pb2.ExecutionOrigin, field: str) -> None:
                 f"must be 1 to {MAX_ORIGIN_ID_CHARS} characters, got {len(t)}")
 
 
+def check_tests_origin(request: sandbox_pb2.RunTestsRequest, prefix: str) -> None:
+    """A RunTests request's origin is its own; its program (an ExecuteRequest) must not carry another."""
+    check_origin(request.origin, f"{prefix}origin")
+    require(not request.program.HasField("origin"), f"{prefix}program.origin",
+            "must be unset: a RunTests call's origin is the request's `origin`")
+
+
 def program_from_proto(req: sandbox_pb2.ExecuteRequest) -> Program:
     lim = req.limits
     return Program(
@@ -111,16 +118,17 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
 
     def Execute(self, request, context):
         reject_unknown_fields(request, "request")
+        check_origin(request.origin, "origin")
         started, t0 = time.time(), time.monotonic()
         result = self.executor.execute(program_from_proto(request))
         response = result_to_proto(result)
         self._finish("Execute", result.verdict.name, t0, started, result.queue_seconds,
-                     execute_request=request, execute_response=response)
+                     execute_request=request, execute_response=response, origin=request.origin)
         return response
 
     def RunTests(self, request, context):
         reject_unknown_fields(request, "request")
-        check_origin(request.origin, "origin")
+        check_tests_origin(request, "")
         started, t0 = time.time(), time.monotonic()
         item = batch_item_from_proto(request)
         out = self.executor.run_tests(item.program, item.tests, item.stop_on_first_failure, item.output_match)
@@ -132,7 +140,7 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
     def RunTestsBatch(self, request, context):
         reject_unknown_fields(request, "request")
         for i, program in enumerate(request.programs):
-            check_origin(program.origin, f"programs[{i}].origin")
+            check_tests_origin(program, f"programs[{i}].")
         started, t0 = time.time(), time.monotonic()
         outs = self.executor.run_batch([batch_item_from_proto(r) for r in request.programs])
         response = sandbox_pb2.RunTestsBatchResponse(results=[tests_to_proto(o) for o in outs],
