@@ -7,7 +7,7 @@ Two halves, kept apart so that each is testable alone:
   draws and pass rates, evaluations), the monitor's per-step series (``ListSteps``: per-domain
   reward and response length; the learner's metrics: step times and tokens for throughput) and
   alerts (``ListAlerts``), the learner's status (KL, entropy, clip fraction, policy lag) and the
-  replay table's stats (size). A service that is not up, or does not answer, is recorded as such
+  replay table's stats (size, and draws held by leases). A service that is not up, or does not answer, is recorded as such
   in ``Snapshot.services`` and its part of the view stays empty; gathering never raises for it.
 - :func:`render` turns a snapshot into rich tables (``rich.live.Live`` redraws them every
   ``--interval`` seconds); :func:`to_json` into the one JSON object ``--json`` prints.
@@ -208,7 +208,8 @@ def gather(state: State | None, job_id: str = "", table: str = "default", alerts
     snap.throughput = _throughput(metrics, window)
     if stats is not None:
         snap.replay = {"table": stats.table, "size": stats.size, "inserts": stats.inserts, "samples": stats.samples,
-                       "bytes": stats.bytes, "current_policy_version": stats.current_policy_version}
+                       "bytes": stats.bytes, "current_policy_version": stats.current_policy_version,
+                       "leased": stats.leased}  # drawn by a learner under a lease, not yet acknowledged
     return snap
 
 
@@ -277,7 +278,7 @@ def render(snap: Snapshot, plain: bool = False):
     t.add_row(_f(ln.get("step"), "d"), f"v{ln['policy_version']}" if "policy_version" in ln else "-", lag,
               *[_f(sig[k], ".4g") for k in SIGNALS if k in sig], _f(tp.get("steps_per_minute"), ".1f"),
               _f(tp.get("tokens_per_second"), ".0f"), _f(tp.get("train_tokens_per_second"), ".0f"),
-              _f(rp.get("size"), "d"))
+              _f(rp.get("size"), "d") + (f" (+{rp['leased']} leased)" if rp.get("leased") else ""))
     parts.append(t)
 
     t = table(f"latest alerts ({len(snap.alerts)})", "step", "domain", "detector", "severity", "policy",
