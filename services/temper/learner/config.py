@@ -29,10 +29,12 @@ class LearnerConfig(ServiceConfig, TrainerConfig):
     groups_per_step: int = from_job("prompts_per_step", 16, "GRPO groups per update (the launcher: "
                                                             "[job].prompts_per_step)")
     table: str = Field("default", description="the replay table the learner samples")
-    sample_lease_seconds: float = Field(0.0, ge=0, le=86_400, description="> 0: each batch is sampled with a "
-                                        "replay lease of this length, renewed while its step runs and acknowledged "
-                                        "after it, so a learner killed mid-step loses no group (replay gives the "
-                                        "batch back when the lease runs out: at least once); 0: draws final at once")
+    sample_lease_seconds: float = Field(60.0, ge=0, le=86_400, description="> 0: each batch is sampled with a "
+                                        "replay lease of this length, renewed every third of it while its step runs "
+                                        "and acknowledged after it, so a learner killed mid-step loses no group "
+                                        "(replay gives the batch back when the lease runs out, to the restarted "
+                                        "learner: at least once); 0: draws final at once (a learner killed "
+                                        "mid-step loses its batch)")
     checkpoint_dir: str = Field("", description='"": <data_dir>/checkpoints')
     checkpoint_every: int = Field(0, description="steps between checkpoints; 0: only on request (gRPC Checkpoint)")
     keep_checkpoints: int = Field(3, description="newest checkpoints kept")
