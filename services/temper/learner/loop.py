@@ -7,6 +7,12 @@ and trained on after resume, never dropped (a leased one is given back to replay
 ``sample_lease_s`` > 0 each batch is a replay lease: renewed every third of its length while its step
 runs, acknowledged after the step (requeued if the step raised), so a learner killed mid-step loses
 no group -- replay hands the batch to the next caller when the lease runs out (at least once).
+Exactly once on top of that: the learner remembers the draws it consumed (group id and replay's
+times_sampled, which a draw given back and made again repeats, while a deliberate re-draw of a reuse
+table counts up), in its checkpoints too, and drops a draw it consumed already (an acknowledgement lost
+with a replay restart, a lease that ran out under a slow step), counted as ``duplicate``. A learner
+resumed from an older checkpoint forgets the draws after it, whose updates died with its process: they
+are trained again.
 A bad group never stalls the job: it is dropped by
 the rule of temper.learner.batching.screen_groups (reward error, malformed, too long; the
 trainer drops groups staler than max_staleness), counted by reason (state, StepMetrics values
@@ -29,10 +35,12 @@ model, is reported by address (log, ``LearnerState.replica_errors``) and never p
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Collection
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -63,6 +71,8 @@ STEP = Gauge("temper_learner_step", "Learner updates applied")
 POLICY_VERSION = Gauge("temper_learner_policy_version", "Version of the learner's current weights")
 STEPS = Counter("temper_learner_steps", "Learner updates applied by this process")
 TOKENS = Counter("temper_learner_tokens", "Completion tokens trained on")
+CONSUMED_MEMORY = 100_000  # draws remembered (a redelivery comes within a lease or a replay restart of its draw)
+CONSUMED_FILE = "consumed_draws.json"  # in each checkpoint: the draws consumed up to it
 LEASES_LOST = Counter("temper_learner_replay_leases_lost", "Replay leases this learner could not settle (ran out "
                       "before the step ended: replay gave the batch back, so it may be trained on again)")
 SKIPPED = Counter("temper_learner_skipped_batches",
@@ -141,6 +151,8 @@ class LearnerLoop:
         self.state = LearnerState()
         self._lock = threading.Lock()  # one step / checkpoint at a time
         self._pending: tuple[list[common_pb2.RolloutGroup], list[replay_pb2.SampleInfo]] | None = None
+        # (group id, times sampled) of each draw consumed -> the step that consumed it (module docstring)
+        self._consumed: OrderedDict[tuple[str, int], int] = OrderedDict()
         self._stop = threading.Event()
         self._resume = threading.Event()
         self._resume.set()
@@ -240,6 +252,15 @@ class LearnerLoop:
               t0: float) -> common_pb2.StepMetrics | None:
         """``info``: replay's SampleInfo of each group's draw (its importance weight becomes the group's
         loss weight), or None (every weight 1)."""
+        seen = {i for i, d in enumerate(info or []) if (d.group_id, d.times_sampled) in self._consumed}
+        if seen:  # drawn again after a lost acknowledgement: consumed already (module docstring)
+            self._count_reason("duplicate", len(seen))
+            _log.warning("draws consumed already dropped", group_ids=sorted(info[i].group_id for i in seen))
+            groups = [g for i, g in enumerate(groups) if i not in seen]
+            info = [d for i, d in enumerate(info) if i not in seen]
+            if not groups:
+                return None
+        duplicates = len(seen)
         weights = None if info is None else [i.importance_weight for i in info]
         # a step trains on many groups, each from its own scheduler-step trace: link to every one
         with self._tracer.start_as_current_span("learner.step", links=links_to(g.trace_context for g in groups),
@@ -264,11 +285,14 @@ class LearnerLoop:
                 values = self.trainer.step(batch)
             except InvalidArgument as e:
                 self._count_skip(e)
+                self._remember(info)
                 return None
+            self._remember(info)  # before the checkpoint below: a learner resumed from it skips these draws
             values["stale_groups_dropped"] = float(stale)
             values.update({f"dropped_{r}": float(n) for r, n in self._step_drops(dropped).items()})
             values["dropped_stale"] = float(stale)
-            values["dropped_groups"] = float(len(dropped) + stale)
+            values["dropped_duplicate"] = float(duplicates)
+            values["dropped_groups"] = float(len(dropped) + stale + duplicates)
             span.set_attribute("temper.dropped_groups", len(dropped) + stale)
             if kept_info:  # the draws of the groups trained on (stale ones left out)
                 trained = set(batch.group_ids or [])
@@ -288,7 +312,7 @@ class LearnerLoop:
                 domain_mean_reward={d: sum(v) / len(v) for d, v in domain_rewards.items()},
                 mean_sample_policy_version=batch.policy_versions.float().mean().item(),
                 min_sample_policy_version=int(batch.policy_versions.min()),
-                max_sample_policy_version=int(batch.policy_versions.max()))
+                max_sample_policy_version=int(batch.policy_versions.max()), group_ids=sorted(set(batch.group_ids or [])))
             span.set_attribute("temper.policy_version", version)
             if self.producer is not None:
                 self.producer.send(kafka.METRICS, batch.job_id or "learner", metrics).get(30)
@@ -304,6 +328,13 @@ class LearnerLoop:
             self._export(values)
             _log.info("step", step=s.step, mean_reward=round(metrics.mean_reward, 4), loss=round(values["loss"], 4))
             return metrics
+
+    def _remember(self, info: list[replay_pb2.SampleInfo] | None) -> None:
+        """Record the draws of a consumed batch (trained on or dropped by rule), the newest CONSUMED_MEMORY."""
+        for d in info or []:
+            self._consumed[(d.group_id, d.times_sampled)] = self.trainer.step_count
+        while len(self._consumed) > CONSUMED_MEMORY:
+            self._consumed.popitem(last=False)
 
     def _send_priorities(self) -> int:
         """The step's per-group signal as the groups' new priorities; returns how many replay
@@ -446,6 +477,7 @@ class LearnerLoop:
                 raise
             raise InvalidArgument(f"cannot write {target}: {e.strerror}", field="path") from None
         (target / "lineage").write_text(self.lineage)  # a learner resumed from it continues this lineage
+        (target / CONSUMED_FILE).write_text(json.dumps([[g, n, st] for (g, n), st in self._consumed.items()]))
         checkpoint.mark_latest(root, target)
         checkpoint.prune(root, self.keep_checkpoints)
         if self.mirror is not None:  # a failed upload fails the checkpoint (StorageError), loudly
@@ -479,6 +511,8 @@ class LearnerLoop:
             meta = checkpoint.load(self.trainer, path)
             if (path / "lineage").exists():
                 self.lineage = (path / "lineage").read_text().strip()
+            self._consumed = OrderedDict(((g, n), st) for g, n, st in json.loads((path / CONSUMED_FILE).read_text())) \
+                if (path / CONSUMED_FILE).exists() else OrderedDict()
             serving: list[tuple[InferenceClient, int]] = []
             for replica in self.current_replicas():
                 try:

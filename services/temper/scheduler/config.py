@@ -24,6 +24,8 @@ class SchedulerConfig(ServiceConfig):
     generate_timeout_seconds: float = Field(600.0, description="how long one step's generate call may take (a real "
                                                                "model on CPU takes minutes)")
     eval_timeout_seconds: float = Field(600.0, description="how long one evaluation's generate call may take")
+    dependency_wait_seconds: float = Field(600.0, gt=0, description="how long a job waits, retrying, for inference "
+                                           "or reward while it is down (killed, restarting) before the job fails")
     publish_timeout_seconds: float = Field(30.0, description="how long a rollout group may wait for the broker's "
                                                              "acknowledgement")
     consumer_group: str = Field("temper-scheduler", description="Kafka consumer group of the `scored` stream, from "

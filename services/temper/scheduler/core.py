@@ -30,6 +30,11 @@ it (``Job.restore``) and continues with the first step it had not finished publi
   keep other prompts than the first attempt did, so that one step can carry more than
   ``prompts_per_step`` distinct ids;
 - counters come back as they were at the checkpoint, so the regenerated step counts once.
+
+A dependency down (inference or reward killed, restarting, or dying mid-call: ``Job(transient=...)`` says
+which errors are that) does not fail the job: each call to it is tried again, after 0.5 s doubling up to
+10 s, for at most ``dependency_wait_seconds`` in a row; the job fails with the error after that. A stop or
+a shutdown ends the wait.
 """
 
 from __future__ import annotations
@@ -233,6 +238,10 @@ COUNTERS = ("steps_done", "groups_published", "draws_skipped", "groups_scored", 
             "refill_groups", "unfilled_groups")
 
 
+class _Stopped(Exception):
+    """The job was stopped (or its process is shutting down) while it waited for a dependency."""
+
+
 class Job:
     """Runs one job on a thread of its own.
 
@@ -250,14 +259,17 @@ class Job:
                  publish: Callable[[common_pb2.RolloutGroup], None], policy_version: Callable[[], int],
                  answer: Callable[[list[str], int, int, float, int], inference_pb2.GenerateResponse] | None = None,
                  score: Callable[[common_pb2.RolloutGroup], common_pb2.RolloutGroup] | None = None,
-                 final_eval_wait_seconds: float = 3600.0, journal: JobJournal | None = None):
+                 final_eval_wait_seconds: float = 3600.0, journal: JobJournal | None = None,
+                 transient: Callable[[BaseException], bool] | None = None, dependency_wait_seconds: float = 600.0):
         self.spec = spec
         self._journal = journal
-        self._generate = generate
+        self._transient = transient or (lambda e: False)
+        self._dependency_wait = dependency_wait_seconds
+        self._generate = self._retrying(generate, "generate")
         self._publish = publish
-        self._policy_version = policy_version
-        self._answer = answer
-        self._score = score
+        self._policy_version = self._retrying(policy_version, "policy version")
+        self._answer = self._retrying(answer, "answer") if answer is not None else None
+        self._score = self._retrying(score, "score") if score is not None else None
         self.eval_sets = spec.eval_sets()
         require(self.eval_sets is None or (answer is not None and score is not None), "eval",
                 "this scheduler cannot evaluate (no inference/reward clients)")
@@ -293,6 +305,28 @@ class Job:
     def start(self) -> Job:
         self._thread.start()
         return self
+
+    def _retrying(self, call: Callable, what: str) -> Callable:
+        """``call``, tried again while it fails with a transient error (module docstring)."""
+        @functools.wraps(call)
+        def retried(*args):
+            delay, deadline = 0.5, None
+            while True:
+                try:
+                    return call(*args)
+                except Exception as e:
+                    if not self._transient(e):
+                        raise
+                    now = time.monotonic()
+                    deadline = deadline or now + self._dependency_wait
+                    if now >= deadline:
+                        raise
+                    _log.warning("dependency unavailable: trying again", job_id=self.spec.job_id, call=what,
+                                 error=f"{type(e).__name__}: {str(e)[:200]}", retry_in=delay)
+                    if self._stop.wait(delay):
+                        raise _Stopped() from e
+                    delay = min(2 * delay, 10.0)
+        return retried
 
     def stop(self) -> None:
         """End the job for good (StopJob): it is STOPPED, and a restarted scheduler does not resume it."""
@@ -384,6 +418,8 @@ class Job:
                 self._evaluate("final")
             self.state = scheduler_pb2.JOB_STATE_DONE
             self.save()
+        except _Stopped:  # stopped or halted while a dependency was down: stop() / halt() set the state
+            return
         except Exception as e:  # noqa: BLE001 - the job fails, the service keeps serving
             if self._halting:  # a client closed under it at shutdown: not the job's failure; it resumes
                 _log.warning("job halted mid-step", job_id=self.spec.job_id, error=f"{type(e).__name__}: {e}")

@@ -35,6 +35,11 @@ def _retryable(e: BaseException) -> bool:
     return isinstance(e, grpc.RpcError) and e.code() in RETRYABLE
 
 
+def _unavailable(e: BaseException) -> bool:
+    """A dependency down or restarting (or gone mid-call): what a job waits out (temper.scheduler.core)."""
+    return isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.UNAVAILABLE
+
+
 class SchedulerService(Service[SchedulerConfig]):
     name = "scheduler"
     config_class = SchedulerConfig
@@ -113,7 +118,8 @@ class SchedulerService(Service[SchedulerConfig]):
         if spec.eval.size > 0 and reward is not None and not resumed:
             check_scorable(spec.domains, [d for d in spec.eval_domains if d not in spec.domains], reward.list_domains())
         return Job(spec, generate, publish, self.serving_version, answer=answer if reward else None,
-                   score=reward.score if reward else None, journal=self.store)
+                   score=reward.score if reward else None, journal=self.store, transient=_unavailable,
+                   dependency_wait_seconds=config.dependency_wait_seconds)
 
     def answering_replicas(self, prompts: int) -> dict[str, InferenceClient]:
         """The generation clients of the replicas that answer now, by address ({} when the step is not split:
