@@ -3,7 +3,7 @@
 ``trajectory`` makes one completion; ``rollout_group`` an unscored group of them (what the
 scheduler publishes and the reward service scores); ``scored_group`` the same with rewards set
 (what replay stores and the learner trains on). Token ids and logprobs are drawn from ``seed``
-so groups are reproducible.
+so groups are reproducible. ``tiny_model_group``: a fixed scored group the tiny model trains on.
 """
 
 from __future__ import annotations
@@ -67,3 +67,13 @@ def scored_group(group_id: str, n: int = 2, domain: str = "toy.copy", version: i
     """A scored group of ``n`` trajectories; rewards alternate 0, 1, 0, ... unless given."""
     return rollout_group(domain, group_id=group_id, n=n, tokens=tokens, version=version, seed=seed,
                          rewards=rewards if rewards is not None else [float(k % 2) for k in range(n)])
+
+
+def tiny_model_group(group_id: str) -> common_pb2.RolloutGroup:
+    """Two answers (rewards 1 and 0) of fixed tokens in the tiny model's vocabulary (temper.models.tiny), for
+    learner steps on it."""
+    def traj(reward):
+        return common_pb2.Trajectory(prompt_token_ids=[2, 5, 6], completion_token_ids=[7, 3],
+                                     completion_logprobs=[-1.0, -0.5], sampling_temperature=1.0,
+                                     reward=common_pb2.Reward(total=reward, status=common_pb2.REWARD_STATUS_OK))
+    return common_pb2.RolloutGroup(group_id=group_id, job_id="j", trajectories=[traj(1.0), traj(0.0)])

@@ -7,15 +7,8 @@ tiny model, no replay."""
 from temper.learner.loop import CONSUMED_FILE, LearnerLoop
 from temper.learner.trainer import Trainer, TrainerConfig
 from temper.models.tiny import build_tiny_model
-from temper.v1 import common_pb2, replay_pb2
-
-
-def group(gid: str) -> common_pb2.RolloutGroup:
-    def traj(reward):
-        return common_pb2.Trajectory(prompt_token_ids=[2, 5, 6], completion_token_ids=[7, 3],
-                                     completion_logprobs=[-1.0, -0.5], sampling_temperature=1.0,
-                                     reward=common_pb2.Reward(total=reward, status=common_pb2.REWARD_STATUS_OK))
-    return common_pb2.RolloutGroup(group_id=gid, job_id="j", trajectories=[traj(1.0), traj(0.0)])
+from temper.v1 import replay_pb2
+from tests.builders import tiny_model_group as group
 
 
 def draw(gid: str, times: int) -> replay_pb2.SampleInfo:

@@ -15,7 +15,7 @@ from temper.learner.loop import LearnerLoop
 from temper.learner.trainer import Trainer, TrainerConfig
 from temper.models.tiny import build_tiny_model
 from temper.runtime.launcher import pid_alive
-from temper.v1 import common_pb2
+from tests.builders import tiny_model_group
 from tests.conftest import holds_for, wait_until
 from tests.replay.util import start_replay
 
@@ -39,14 +39,6 @@ def replay(tmp_path_factory):
     assert not [p for p in pids if pid_alive(p)], "processes left behind"
 
 
-def group(gid: str) -> common_pb2.RolloutGroup:
-    def traj(reward):
-        return common_pb2.Trajectory(prompt_token_ids=[2, 5, 6], completion_token_ids=[7, 3],
-                                     completion_logprobs=[-1.0, -0.5], sampling_temperature=1.0,
-                                     reward=common_pb2.Reward(total=reward, status=common_pb2.REWARD_STATUS_OK))
-    return common_pb2.RolloutGroup(group_id=gid, job_id="j", trajectories=[traj(1.0), traj(0.0)])
-
-
 def test_a_step_longer_than_its_lease_keeps_its_batch_and_acknowledges_it(replay, tmp_path):
     trainer = Trainer(build_tiny_model(tmp_path / "m", seed=0), TrainerConfig())
     step = trainer.step
@@ -60,7 +52,7 @@ def test_a_step_longer_than_its_lease_keeps_its_batch_and_acknowledges_it(replay
     loop = LearnerLoop(trainer, replay, [], None, groups_per_step=2, sample_timeout_ms=500, sample_lease_s=0.6)
     loop.start()
     try:
-        replay.insert([group("a"), group("b")])
+        replay.insert([tiny_model_group("a"), tiny_model_group("b")])
         wait_until(lambda: loop.state.step >= 1, 60, what="a learner step")
         holds_for(lambda: loop.state.step == 1, 2.0, what="the batch trained once, not drawn again")
     finally:
@@ -71,7 +63,7 @@ def test_a_step_longer_than_its_lease_keeps_its_batch_and_acknowledges_it(replay
 
 
 def test_a_batch_never_acknowledged_goes_to_the_next_caller(replay):
-    replay.insert([group("c"), group("d")])
+    replay.insert([tiny_model_group("c"), tiny_model_group("d")])
     dead = replay.sample_batch(2, timeout_ms=0, lease_ms=500)  # a learner killed before it acknowledged
     assert [g.group_id for g in dead.groups] == ["c", "d"]
     again = replay.sample_batch(2, timeout_ms=10_000)  # waits until the lease runs out

@@ -280,7 +280,7 @@ def write_report(out_dir: Path, spec: JobSpec, config: dict, steps: list[common_
         summary["samples"] = {str(k): v for k, v in followed.samples.items()}
         summary["sampling"] = sampling_summary(followed.status)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    report.write(out_dir, report.from_summary(out_dir / "summary.json"))
+    report.write(out_dir, report.of_summary(summary, out_dir / "summary.json"))
     latest = out_dir.parent / "latest"
     if latest.is_symlink() or latest.exists():
         latest.unlink()

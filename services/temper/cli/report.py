@@ -76,7 +76,11 @@ def from_summary(path: Path) -> ReportData:
         path = path / "summary.json"
     if not path.is_file():
         raise ValueError(f"run: {path} does not exist (give a run folder `temper run` wrote, or a job id)")
-    summary = json.loads(path.read_text())
+    return of_summary(json.loads(path.read_text()), path)
+
+
+def of_summary(summary: dict, path: Path) -> ReportData:
+    """The report of a run's summary (as summary.json holds it; ``path``: that file, the report's source)."""
     steps = summary.get("steps", [])
     job = summary.get("job", {})
     data = ReportData(job_id=job.get("job_id", "") or path.parent.name, source=str(path),
@@ -172,6 +176,12 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def plot_rewards(data: ReportData, path: Path) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -190,9 +200,7 @@ def plot_rewards(data: ReportData, path: Path) -> None:
     if mean or data.scored:
         ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_training(data: ReportData, path: Path) -> None:
@@ -215,9 +223,7 @@ def plot_training(data: ReportData, path: Path) -> None:
         ax.axis("off")
     if not panels:
         axes.flat[0].text(0.5, 0.5, "no learner signals recorded", ha="center", va="center")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_evals(evals: list[dict], path: Path) -> None:
@@ -233,9 +239,7 @@ def plot_evals(evals: list[dict], path: Path) -> None:
     ax.set_ylim(-0.02, 1.02)
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def write_tensorboard(data: ReportData, logdir: Path) -> None:
