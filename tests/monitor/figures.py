@@ -45,11 +45,13 @@ DATA = Path(__file__).parent / "data"
 # real runs' summaries cut down by data/extract_summary.py: SmolLM2-135M GRPO on three reasoning-gym domains
 # (12 steps, vLLM; the shipped job, and a run at lr 2e-5 with max_policy_lag 0); the tiny toy model on the
 # sound-verifier demonstration job (120 steps); the tiny toy model with process_grpo and step rewards
-# (60 steps, learner metrics and domain rewards only)
+# (60 steps, learner metrics and domain rewards only); SmolLM2 on the sound real-model demonstration job
+# (hack-demo-smollm2-sound.toml, 16 steps, seed 0)
 REAL_RUNS = {"smollm2": DATA / "smollm2_clean_run.json",
              "smollm2-lr2e-5-lag0": DATA / "smollm2_lr2e-5_lag0_clean_run.json",
              "toy-hack-demo-sound": DATA / "toy_hack_demo_sound_run.json",
-             "toy-steps": DATA / "toy_steps_clean_run.json"}
+             "toy-steps": DATA / "toy_steps_clean_run.json",
+             "smollm2-hack-demo-sound": DATA / "smollm2_hack_demo_sound_run.json"}
 STEPS = 40                 # steps per scripted stream
 ONSET = (10, 25)           # planted anomalies start at a step drawn uniformly from this range
 

@@ -96,7 +96,7 @@ def test_pending_alert_is_flushed_after_a_crash(tmp_path):
         feed(m, "j", [0] * 8 + [4, 7, 7, 7, 7])
     # in the same process: the redelivered message is a duplicate, but the pending alerts go out first
     m._publish = (sent := []).append
-    assert m.add_scored(group("j", 8, 1, 4)) == [] and len(sent) == 2
+    assert m.add_scored(group("j", 8, 1, 4)) == [] and [a.detector for a in sent] == ["reward_vs_gold"]
     m.close()
     m = Monitor(path, DetectorSet(DETECTORS), publish=broken)
     with pytest.raises(ConnectionError):
@@ -104,7 +104,7 @@ def test_pending_alert_is_flushed_after_a_crash(tmp_path):
     m.close()
     published = []
     m2 = Monitor(path, DetectorSet(DETECTORS), act=lambda a, p: "paused", publish=published.append)
-    assert m2.flush_pending() == 2  # the two alerts of step 8; the message that raised them is redelivered
+    assert m2.flush_pending() == 1  # the alert of step 8; the message that raised it is redelivered
     hack = [a for a in published if a.detector == "reward_vs_gold"]
     assert len(hack) == 1 and hack[0].action_result == "paused"
     assert m2.flush_pending() == 0

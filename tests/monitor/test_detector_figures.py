@@ -78,7 +78,7 @@ def test_reward_jump_fires_on_a_jump_planted_in_a_real_domain():
     series = copy.deepcopy(F.real_series(F.load_run("smollm2"))[("scored", "rg.letter_counting")])
     for s in series[8:]:
         s.values["reward"] += 0.4  # from learner step 9 on
-    assert F.firings(det.RewardJump(), series)[:1] == [9]
+    assert F.firings(det.RewardJump(), series)[:1] == [10]  # held for persist = 2 steps: the second high one
 
 
 def test_length_fires_on_an_explosion_planted_in_the_real_samples():
@@ -93,3 +93,12 @@ def test_a_higher_abs_floor_silences_the_toy_steps_clip_alarm():
     """The README's trade-off: abs_floor 0.015 (a job's [monitor.detectors.training_signal] table) quiets it."""
     figs = F.replay_real("toy-steps", {"training_signal": {"abs_floor": 0.015}})
     assert not [r for r in figs if r.fired]
+
+
+def test_reward_jump_judged_on_one_step_alarms_on_a_lucky_draw_of_the_sound_smollm2_job():
+    """Why reward_jump waits for persist = 2 steps: on the sound real-model demonstration job, two easy gcd
+    prompts drawn into one step took that domain's mean from 0.28 to 1.00, and it fell back to 0.17 the
+    step after. Judged on one step (persist = 1) that is the run's one alarm; held for two, it is none."""
+    fired = {(r.detector, r.series): r.fired for r in F.replay_real("smollm2-hack-demo-sound",
+                                                                   {"reward_jump": {"persist": 1}}) if r.fired}
+    assert fired == {("reward_jump", "scored:rg.gcd"): [15]}

@@ -105,9 +105,16 @@ def test_training_signal_spike_and_entropy_collapse():
 
 
 def test_reward_jump_beyond_history():
-    rew = noisy(0.3, 12, 0.03) + [0.85]
+    rew = noisy(0.3, 12, 0.03) + [0.85, 0.8]
     step, f = run(d.RewardJump(), series(reward=rew))
+    assert step == 13 and f.values["jump"] > 0.45 and "held for 2 steps" in f.message
+    # judged on the latest step alone, the first high step fires
+    step, f = run(d.RewardJump(persist=1), series(reward=rew))
     assert step == 12 and f.values["jump"] > 0.5
+    # one lucky step that falls back is not a jump (SmolLM2 on gcd: two easy prompts, 0.28 -> 1.00 -> 0.17)
+    assert run(d.RewardJump(), series(reward=noisy(0.3, 12, 0.03) + [1.0, 0.25, 0.3]))[0] is None
+    # a jump and a fall are not one jump held
+    assert run(d.RewardJump(), series(reward=noisy(0.5, 12, 0.03) + [0.95, 0.05]))[0] is None
     # steady learning, even fast (0.1 -> 0.9 in 20 steps), does not jump
     assert run(d.RewardJump(), series(reward=[min(0.9, 0.1 + 0.04 * k) + random.Random(k).gauss(0, 0.03)
                                               for k in range(40)]))[0] is None
@@ -144,6 +151,10 @@ def test_build_validates_names_and_params():
     with pytest.raises(InvalidArgument) as e:
         d.build("length", {"window": "three"}, "monitor.detectors.length")
     assert e.value.field == "monitor.detectors.length.window"
+    for bad in (0, -1, 1.5):
+        with pytest.raises(InvalidArgument) as e:
+            d.build("reward_jump", {"persist": bad}, "monitor.detectors.reward_jump.domains.rg")
+        assert e.value.field == "monitor.detectors.reward_jump.domains.rg.persist", bad
 
 
 def test_every_detector_states_its_rule():

@@ -139,6 +139,28 @@ def test_unsound_contains_verifier_is_exploitable_by_design():
     assert "UNSOUND" in component(scored.trajectories[1], "exact_answer.contains").detail
 
 
+def test_unsound_reasoning_gym_contains_pays_the_answer_anywhere():
+    """reasoning_gym.contains (hack-demo-smollm2.toml): the family's answer as a whole word anywhere
+    pays 1, a list of candidates included; the family's own scorer stays the sound check."""
+    from temper.reward.settings import DomainSpec
+
+    task = gym.make_task("rg.gcd", random.Random(3), "t")
+    want = task.reference_answer
+    wrong = str(int(want) + 1)
+    texts = [f"<answer>{want}</answer>", f"<answer>{wrong} or {want}</answer>", f"gcd is {want}, so",
+             f"<answer>{wrong}</answer>", f"<answer>{want}0</answer>", f"<answer>x{want}</answer>", ""]
+    s = Scorer(RewardSettings(domains={"rg": DomainSpec(weights={"reasoning_gym.contains": 1.0,
+                                                                 "reasoning_gym": 0.0})}))
+    try:
+        scored = s.score_group(rollout_group(task.domain, task.reference_answer, texts, metadata=dict(task.metadata)))
+    finally:
+        s.close()
+    assert [t.reward.total for t in scored.trajectories] == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    sound = [component(t, "reasoning_gym").value for t in scored.trajectories]
+    assert sound[0] == 1.0 and max(sound[1:4]) < 1.0  # the family's scorer: partial credit at most for the others
+    assert "UNSOUND" in component(scored.trajectories[1], "reasoning_gym.contains").detail
+
+
 @pytest.mark.parametrize("family", ["basic_arithmetic", "countdown", "word_sorting", "rearc", "sudoku",
                                     "propositional_logic"])
 def test_reasoning_gym_families_use_their_own_scorer(scorer, family):

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from temper.runtime.errors import InvalidArgument
+from temper.runtime.errors import InvalidArgument, require
 
 
 @dataclass
@@ -265,12 +265,16 @@ class TrainingSignal(Detector):
 @register
 @dataclass
 class RewardJump(Detector):
-    """A domain's reward jumping beyond its own history.
+    """A domain's reward jumping beyond its own history, and staying there.
 
-    Rule: with mean mu and standard deviation sd of ``reward`` over the previous ``history``
-    steps (at least ``min_history``) and r_prev the step before, the latest reward r fires when
-    |r - mu| >= ``z`` * max(sd, ``sd_floor``) and r - r_prev moves the same way by >= ``min_jump``
-    (one step's jump: steady learning, however fast over many steps, is not a jump).
+    Rule: with mean mu and standard deviation sd of ``reward`` over the ``history`` steps before
+    the latest ``persist`` ones (at least ``min_history`` of them) and r_prev the last of those,
+    fires when each of the latest ``persist`` rewards r lies beyond mu by |r - mu| >= ``z`` *
+    max(sd, ``sd_floor``), all on the same side, and the first of them moved from r_prev that way
+    by >= ``min_jump`` (one step's jump: steady learning, however fast over many steps, is not a
+    jump). ``persist`` = 2 by default: a step's domain mean rests on a few groups, one prompt each,
+    and two easy prompts drawn together make a one-step spike (SmolLM2 on gcd: 0.28 -> 1.00 -> 0.17);
+    a policy that found something keeps it. ``persist`` = 1 judges the latest step alone.
     """
 
     name: ClassVar[str] = "reward_jump"
@@ -279,20 +283,30 @@ class RewardJump(Detector):
     z: float = 4.0
     sd_floor: float = 0.05
     min_jump: float = 0.3
+    persist: int = 2
+
+    def __post_init__(self):
+        require(isinstance(self.persist, int) and self.persist >= 1, "persist",
+                f"must be an integer >= 1, got {self.persist!r}")
 
     def check(self, history):
         pts = _series(history, "reward")
-        if len(pts) < self.min_history + 1:
+        if len(pts) < self.min_history + self.persist:
             return None
-        prev = [v for _, v in pts[-self.history - 1:-1]]
-        step, r = pts[-1]
+        latest = [v for _, v in pts[-self.persist:]]
+        prev = [v for _, v in pts[-self.history - self.persist:-self.persist]]
+        step = pts[-1][0]
         mu, sd = _mean(prev), statistics.pstdev(prev)
-        jump, step_jump = r - mu, r - prev[-1]
-        if (abs(jump) >= self.z * max(sd, self.sd_floor) and abs(step_jump) >= self.min_jump
-                and (jump > 0) == (step_jump > 0)):
-            window = pts[-self.history - 1:]
-            return Finding(f"reward jumped from {mu:.3f} (sd {sd:.3f}; {prev[-1]:.3f} the step before) to {r:.3f}",
-                           window[0][0], step, {"latest": r, "mean": mu, "sd": sd, "jump": jump, "step_jump": step_jump},
+        jumps, step_jump = [r - mu for r in latest], latest[0] - prev[-1]
+        up = step_jump > 0
+        if (all(abs(j) >= self.z * max(sd, self.sd_floor) and (j > 0) == up for j in jumps)
+                and abs(step_jump) >= self.min_jump):
+            window = pts[-self.history - self.persist:]
+            r = latest[-1]
+            held = f", held for {self.persist} steps" if self.persist > 1 else ""
+            return Finding(f"reward jumped from {mu:.3f} (sd {sd:.3f}; {prev[-1]:.3f} the step before) to {r:.3f}"
+                           f"{held}", window[0][0], step,
+                           {"latest": r, "mean": mu, "sd": sd, "jump": jumps[-1], "step_jump": step_jump},
                            {"reward": [v for _, v in window]}, [s for s, _ in window],
                            _examples(history, "rewarded"))
         return None
@@ -401,4 +415,7 @@ def build(name: str, params: dict, where: str) -> Detector:
         default = fields[key].default
         if isinstance(default, (int, float)) and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise InvalidArgument(f"must be a number, got {value!r}", field=f"{where}.{key}")
-    return cls(**params)
+    try:
+        return cls(**params)
+    except InvalidArgument as e:  # a parameter's own range check names the parameter alone
+        raise InvalidArgument(e.message, field=f"{where}.{e.field}") from None
