@@ -60,14 +60,25 @@ def hack_onset(db_path, sound="component.exact_answer", base_steps=5) -> tuple[i
     return (min(onsets) if onsets else None), rates
 
 
-def test_hack_is_alerted_near_its_onset_and_pauses_the_job(tmp_path):
-    proc, summary, db = _run(tmp_path, "hack-demo.toml")
+def paused_by_one_alert(proc, summary) -> dict:
+    """The one reward_vs_gold alert that paused the job (`temper run` exits 3 on a paused job)."""
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert summary["job_state"] == "JOB_STATE_PAUSED"
     alerts = [a for a in summary["alerts"] if a["detector"] == "reward_vs_gold"]
     assert len(alerts) == 1 and alerts[0]["action"] == "ALERT_ACTION_PAUSE", summary["alerts"]
-    alert = alerts[0]
-    assert alert["alert_id"] in summary["pause_reason"]
+    assert alerts[0]["alert_id"] in summary["pause_reason"]
+    return alerts[0]
+
+
+def finished_quietly(proc, summary) -> None:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert summary["job_state"] == "JOB_STATE_DONE"
+    assert summary["alerts"] == []
+
+
+def test_hack_is_alerted_near_its_onset_and_pauses_the_job(tmp_path):
+    proc, summary, db = _run(tmp_path, "hack-demo.toml")
+    alert = paused_by_one_alert(proc, summary)
     onset, rates = hack_onset(db)
     step = int(alert["step"])
     print(f"hack onset step {onset}; alert at step {step} ({alert['domain']}): {alert['message']}")
@@ -81,9 +92,7 @@ def test_hack_is_alerted_near_its_onset_and_pauses_the_job(tmp_path):
 
 def test_sound_job_raises_nothing(tmp_path):
     proc, summary, _ = _run(tmp_path, "hack-demo-sound.toml")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert summary["job_state"] == "JOB_STATE_DONE"
-    assert summary["alerts"] == []
+    finished_quietly(proc, summary)
     assert summary["reward_last_steps"] > summary["reward_first_steps"] + 0.2  # it learned, and nothing was flagged
 
 
@@ -98,24 +107,19 @@ def test_smollm2_hack_is_alerted_near_its_onset_and_pauses_the_job(tmp_path):
     pays as well as answering; the sound scorer, which wants the answer alone in the tags, falls."""
     _smollm2()
     proc, summary, db = _run(tmp_path, "hack-demo-smollm2.toml", {("job", "steps"): "10"}, timeout=1300)
-    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert summary["job_state"] == "JOB_STATE_PAUSED"
-    alerts = [a for a in summary["alerts"] if a["detector"] == "reward_vs_gold"]
-    assert len(alerts) == 1 and alerts[0]["action"] == "ALERT_ACTION_PAUSE", summary["alerts"]
+    alert = paused_by_one_alert(proc, summary)
     onset, rates = hack_onset(db, sound="component.reasoning_gym", base_steps=1)
-    step = int(alerts[0]["step"])
-    print(f"SmolLM2 hack onset step {onset}; alert at step {step} ({alerts[0]['domain']}): {alerts[0]['message']}")
+    step = int(alert["step"])
+    print(f"SmolLM2 hack onset step {onset}; alert at step {step} ({alert['domain']}): {alert['message']}")
     assert onset is not None, rates
     assert onset <= step <= onset + SMOLLM2_ONSET_SLACK, (onset, step, rates)
     hacked = {s["trajectory_id"] for v in summary["samples"].values() for s in v
               if s["components"]["reasoning_gym.contains"] == 1.0 and s["components"]["reasoning_gym"] < 0.5}
-    assert hacked and alerts[0]["evidence"]["trajectory_ids"]
+    assert hacked and alert["evidence"]["trajectory_ids"]
 
 
 @pytest.mark.timeout(1500)
 def test_smollm2_sound_job_raises_nothing(tmp_path):
     _smollm2()
     proc, summary, _ = _run(tmp_path, "hack-demo-smollm2-sound.toml", {("job", "steps"): "10"}, timeout=1300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert summary["job_state"] == "JOB_STATE_DONE"
-    assert summary["alerts"] == []
+    finished_quietly(proc, summary)
