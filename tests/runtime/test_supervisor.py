@@ -11,7 +11,7 @@ import pytest
 from temper import jobs
 from temper.runtime.launcher import Launcher, pid_alive
 from temper.runtime.rpc import check_health
-from temper.runtime.supervisor import Exit, RestartPolicy
+from temper.runtime.supervisor import Exit, LauncherConfig
 from tests.conftest import wait_until
 
 TEMPER = [sys.executable, "-m", "temper.cli.main"]
@@ -34,25 +34,25 @@ def _config(tmp_path, launcher_table: str, base: str = "") -> str:
 
 # -- the policy alone -------------------------------------------------------------------------
 def test_backoff_doubles_up_to_its_cap():
-    policy = RestartPolicy(backoff_seconds=0.5, max_backoff_seconds=3.0)
+    policy = LauncherConfig(backoff_seconds=0.5, max_backoff_seconds=3.0)
     assert [policy.delay(n) for n in range(1, 6)] == [0.5, 1.0, 2.0, 3.0, 3.0]
 
 
 def test_which_exits_restart():
     killed, crashed, clean, unknown = Exit(signal=signal.SIGKILL), Exit(code=1), Exit(code=0), Exit()
-    on_failure = RestartPolicy()
+    on_failure = LauncherConfig()
     assert [on_failure.restarts(e) for e in (killed, crashed, clean, unknown)] == [True, True, False, True]
-    assert RestartPolicy(restart="always").restarts(clean)
-    assert not RestartPolicy(restart="never").restarts(killed)
+    assert LauncherConfig(restart="always").restarts(clean)
+    assert not LauncherConfig(restart="never").restarts(killed)
     assert killed.describe() == "killed by SIGKILL" and crashed.describe() == "exited with code 1"
 
 
 def test_a_bad_launcher_table_names_the_key():
     with pytest.raises(ValueError, match=r"launcher\.restart"):
-        RestartPolicy.from_config({"launcher": {"restart": "sometimes"}}, "job.toml")
+        LauncherConfig.from_config({"launcher": {"restart": "sometimes"}}, "job.toml")
     with pytest.raises(ValueError, match=r"launcher\.max_restart\b"):
-        RestartPolicy.from_config({"launcher": {"max_restart": 3}}, "job.toml")  # a typo of max_restarts
-    assert RestartPolicy.from_config({}, "job.toml") == RestartPolicy()
+        LauncherConfig.from_config({"launcher": {"max_restart": 3}}, "job.toml")  # a typo of max_restarts
+    assert LauncherConfig.from_config({}, "job.toml") == LauncherConfig()
 
 
 # -- real processes ---------------------------------------------------------------------------

@@ -52,6 +52,10 @@ class ServiceConfig(BaseSettings):
                                            '(atomically; "" = log only)')
     kafka_bootstrap: str = Field("127.0.0.1:9092", description="Kafka bootstrap servers (host:port[,host:port])")
     trace_file: str = Field("", description='append finished spans as JSON lines here ("" = no file export)')
+    trace_sample_ratio: float = Field(1.0, ge=0.0, le=1.0, description="share of traces recorded, 0 to 1: a trace "
+                                      "this service starts is kept with this probability (by trace id); a span "
+                                      "with a remote parent follows the parent, so a trace is kept or dropped "
+                                      "whole")
     otlp_endpoint: str = Field("", description='OTLP/gRPC collector address ("" = no OTLP export); '
                                                 'https://host:port means TLS')
     otlp_tls: bool = Field(False, description="TLS to the OTLP collector (verified against otlp_ca_file, else the "

@@ -70,7 +70,7 @@ from temper.runtime.broker import start_broker_on_free_port
 from temper.runtime.config import ServiceConfig, wiring
 from temper.runtime.rpc import check_health
 from temper.runtime.service import read_port_file
-from temper.runtime.supervisor import Exit, RestartPolicy, Supervisor
+from temper.runtime.supervisor import Exit, LauncherConfig, Supervisor
 from temper.runtime.tls import CLIENT, tls_dir_of, write_certificates
 
 # every service, in the order `down` reverses (dependencies first); the start order is derived from the configs
@@ -263,7 +263,7 @@ class Launcher:
         if state and any(pid_alive(p.pid) for p in [*state.services.values(), *([state.broker] if state.broker else [])]):
             raise RuntimeError(f"Temper is already up in {self.home} (run `temper down` first)")
         cfg = self.config()
-        policy = RestartPolicy.from_config(cfg, self.config_path)
+        policy = LauncherConfig.from_config(cfg, self.config_path)
         auth = AuthConfig.from_config(cfg, self.config_path)
         # the model is resolved (the tiny recipe built) before anything starts, and only if a service loads it
         needs_model = any(w.get("model") for n in names for w in wiring(config_class(n)).values())
@@ -339,9 +339,13 @@ class Launcher:
         service shares, then what its config's wiring asks for (an address only of a service in ``addresses``,
         which maps a service to its replicas' addresses; ``--kafka-bootstrap`` only when given)."""
         logs = self.home / "logs"
-        args = ["--config", str(self.config_path), "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+        telemetry = LauncherConfig.from_config(cfg, self.config_path)
+        args = ["--config", str(self.config_path), "--host", "127.0.0.1", "--port", "0",
+                "--metrics-port", "0" if telemetry.metrics else "-1",
                 "--port-file", str(self.home / "ports" / f"{name}.json"), "--data-dir", str(self.home / "data" / name),
-                "--trace-file", str(logs / f"{name}.spans.jsonl")]
+                "--trace-sample-ratio", repr(telemetry.trace_sample_ratio)]
+        if telemetry.traces:
+            args += ["--trace-file", str(logs / f"{name}.spans.jsonl")]
         if kafka_bootstrap:
             args += ["--kafka-bootstrap", kafka_bootstrap]
         job = cfg.get("job", {})
@@ -528,7 +532,7 @@ class Launcher:
             else:
                 health = "FAILED" if p.failed else "STOPPED" if p.stopped else "DEAD"
             rows.append({"name": p.name, "address": p.address, "pid": p.pid, "health": health,
-                         "metrics": f"127.0.0.1:{p.metrics_port}", "restarts": p.restarts,
+                         "metrics": f"127.0.0.1:{p.metrics_port}" if p.metrics_port >= 0 else "-", "restarts": p.restarts,
                          "last_exit": p.last_exit, "failed": p.failed})
         return rows
 

@@ -132,7 +132,7 @@ def run(service_cls: type[Service], argv: list[str] | None = None) -> None:
     log = setup_logging(service.name, config.log_level)
     setup_tracing(service.name, config.trace_file, config.otlp_endpoint, otlp_tls=config.otlp_uses_tls(),
                   otlp_ca_file=config.otlp_ca_file, otlp_cert_file=config.otlp_cert_file,
-                  otlp_key_file=config.otlp_key_file)
+                  otlp_key_file=config.otlp_key_file, sample_ratio=config.trace_sample_ratio)
     metrics_port = -1
     if config.metrics_port >= 0:
         metrics_server, _ = start_http_server(config.metrics_port, addr=config.host)

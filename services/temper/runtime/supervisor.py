@@ -49,8 +49,9 @@ if TYPE_CHECKING:
 _log = get_logger(component="supervisor")
 
 
-class RestartPolicy(BaseModel):
-    """The ``[launcher]`` table of a job config (every key optional)."""
+class LauncherConfig(BaseModel):
+    """The ``[launcher]`` table of a job config (every key optional): how the local services are supervised
+    (restart policy) and what telemetry they are started with."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -64,9 +65,16 @@ class RestartPolicy(BaseModel):
     stable_seconds: float = Field(60.0, gt=0, description="a service that ran this long counts its restarts "
                                                          "in a row from zero again")
     poll_seconds: float = Field(0.2, gt=0, description="how often the supervisor looks at every process")
+    # the local services' telemetry (the flags the launcher starts each one with)
+    traces: bool = Field(True, description="each service's spans to <home>/logs/<service>.spans.jsonl "
+                                           "(false: no span export, unless a service's own table sets one)")
+    trace_sample_ratio: float = Field(1.0, ge=0.0, le=1.0, description="every service's trace_sample_ratio: "
+                                                                      "the share of traces recorded, 0 to 1")
+    metrics: bool = Field(True, description="each service's Prometheus /metrics endpoint on a port of its own "
+                                            "(false: none)")
 
     @classmethod
-    def from_config(cls, cfg: dict, source: str | Path = "config") -> RestartPolicy:
+    def from_config(cls, cfg: dict, source: str | Path = "config") -> LauncherConfig:
         """The policy of a whole job config; a mistake is a ValueError naming ``launcher.KEY``."""
         return job_table(cls, cfg, "launcher", source)
 
@@ -110,7 +118,7 @@ class _Watch:
 class Supervisor:
     """Watches the services in the launcher's state file and restarts crashed ones (module docstring)."""
 
-    def __init__(self, launcher: Launcher, policy: RestartPolicy):
+    def __init__(self, launcher: Launcher, policy: LauncherConfig):
         self.launcher = launcher
         self.policy = policy
         self._stop = threading.Event()
@@ -215,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     if state is None:
         sys.exit(f"temper-supervisor: nothing is up in {args.home}")
     launcher = Launcher(home=args.home, config=state.config)
-    supervisor = Supervisor(launcher, RestartPolicy.from_config(launcher.config(), state.config))
+    supervisor = Supervisor(launcher, LauncherConfig.from_config(launcher.config(), state.config))
     signal.signal(signal.SIGTERM, lambda *_: supervisor.stop(timeout=0))
     supervisor.run()
     return 0

@@ -14,34 +14,42 @@ from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
+from opentelemetry.sdk.trace.sampling import (ALWAYS_ON, Decision, ParentBased, Sampler, SamplingResult,
+                                              TraceIdRatioBased)
 
 _provider: TracerProvider | None = None
 
 
 def setup_tracing(service: str, trace_file: str = "", otlp_endpoint: str = "", *, otlp_tls: bool = False,
-                  otlp_ca_file: str = "", otlp_cert_file: str = "", otlp_key_file: str = "") -> TracerProvider:
+                  otlp_ca_file: str = "", otlp_cert_file: str = "", otlp_key_file: str = "",
+                  sample_ratio: float = 1.0) -> TracerProvider:
     """Install the process's tracer provider. Spans go to ``trace_file`` as JSON lines and/or OTLP/gRPC.
 
     OTLP goes in plaintext unless ``otlp_tls``: then over TLS, the collector's certificate checked against
     ``otlp_ca_file`` (PEM; "" = the system roots), presenting ``otlp_cert_file``/``otlp_key_file`` when given
     (a collector that requires mTLS). Only our own credentials are used, never the ``OTEL_EXPORTER_OTLP_*``
     environment. A collector that cannot be reached, or fails the handshake, loses spans, never the service:
-    the exporter logs the failed export and drops the batch."""
+    the exporter logs the failed export and drops the batch. ``sample_ratio``: see ``build_provider``."""
     global _provider
     provider = build_provider(service, trace_file, otlp_endpoint, otlp_tls=otlp_tls, otlp_ca_file=otlp_ca_file,
-                              otlp_cert_file=otlp_cert_file, otlp_key_file=otlp_key_file)
+                              otlp_cert_file=otlp_cert_file, otlp_key_file=otlp_key_file, sample_ratio=sample_ratio)
     trace.set_tracer_provider(provider)
     _provider = provider
     return provider
 
 
 def build_provider(service: str, trace_file: str = "", otlp_endpoint: str = "", *, otlp_tls: bool = False,
-                   otlp_ca_file: str = "", otlp_cert_file: str = "", otlp_key_file: str = "") -> TracerProvider:
+                   otlp_ca_file: str = "", otlp_cert_file: str = "", otlp_key_file: str = "",
+                   sample_ratio: float = 1.0) -> TracerProvider:
     """The tracer provider ``setup_tracing`` installs, not installed (the tracing bench builds several).
 
-    With neither export the SDK still records every span (and propagates context); it just drops them.
+    ``sample_ratio`` (0 to 1) is the share of traces recorded (``sampler``): a span with a remote parent
+    (a gRPC call, a Kafka message) follows the parent's decision, so a trace is kept or dropped whole,
+    across services. With neither export the SDK still records every sampled span (and propagates
+    context); it just drops them.
     """
-    provider = TracerProvider(resource=Resource.create({"service.name": f"temper-{service}"}))
+    provider = TracerProvider(resource=Resource.create({"service.name": f"temper-{service}"}),
+                              sampler=sampler(sample_ratio))
     if trace_file:
         out = open(trace_file, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
         provider.add_span_processor(SimpleSpanProcessor(
@@ -58,6 +66,34 @@ def build_provider(service: str, trace_file: str = "", otlp_endpoint: str = "", 
             exporter = OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True)
         provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider
+
+
+def sampler(ratio: float) -> Sampler:
+    """Parent-based sampling by trace id: a root span is recorded with probability ``ratio``, decided from
+    its trace id; a child as its parent was (the W3C ``sampled`` flag crosses gRPC metadata and Kafka
+    headers), so a trace is kept or dropped whole. A root span that links to a recorded span (the learner
+    step to the scheduler steps whose groups it trained on) is recorded too, so a kept step keeps its
+    learner step."""
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"trace sample ratio {ratio!r} is not between 0 and 1")
+    return ParentBased(ALWAYS_ON if ratio >= 1.0 else _LinkedOrRatio(ratio))
+
+
+class _LinkedOrRatio(Sampler):
+    """A root span's decision: recorded when it links to a recorded span, else by trace id with ``ratio``."""
+
+    def __init__(self, ratio: float):
+        self._ratio = ratio
+        self._by_id = TraceIdRatioBased(ratio)
+
+    def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None, links=None,
+                      trace_state=None) -> SamplingResult:
+        if any(link.context.trace_flags.sampled for link in links or ()):
+            return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes, trace_state)
+        return self._by_id.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
+
+    def get_description(self) -> str:
+        return f"LinkedOrTraceIdRatio{{{self._ratio}}}"
 
 
 def otlp_credentials(ca_file: str = "", cert_file: str = "", key_file: str = "") -> grpc.ChannelCredentials:
