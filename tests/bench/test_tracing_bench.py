@@ -5,7 +5,7 @@ differ only in the common config's tracing keys:
 
 - off: the default (no ``trace_file``, no ``otlp_endpoint``): the SDK provider still records each
   span, then drops it;
-- ``trace_file``: spans appended as JSON lines, written in the handler thread (SimpleSpanProcessor);
+- ``trace_file``: spans appended as JSON lines, batched (BatchSpanProcessor) to a writer thread;
 - ``otlp_endpoint``: spans batched (BatchSpanProcessor) to an OTLP/gRPC receiver in this process on
   127.0.0.1 port 0 (``TraceServiceServicer``, counting what it gets).
 
@@ -128,6 +128,7 @@ def test_tracing_overhead_on_a_real_rpc(tmp_path):
         expected = WARMUP + ROUNDS * CALLS
         wait_until(lambda: receiver.count(SAMPLE_SPAN) >= expected, timeout=30, what="the OTLP batch export")
         assert receiver.count(SAMPLE_SPAN) == expected
+        wait_until(lambda: span_names(trace_file)[SAMPLE_SPAN] >= expected, timeout=30, what="the trace file")
         assert span_names(trace_file)[SAMPLE_SPAN] == expected
     finally:
         for client in clients.values():

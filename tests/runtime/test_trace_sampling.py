@@ -49,12 +49,21 @@ def test_a_child_follows_its_remote_parent_whatever_the_ratio():
         assert len(exporter.get_finished_spans()) == int(sampled), (ratio, sampled)
 
 
-def test_a_root_linking_to_a_kept_span_is_kept():
-    tracer, exporter = _tracer(0.0)
+def test_a_root_with_links_follows_them():
     kept, dropped = _remote(True).get_span_context(), _remote(False).get_span_context()
+    tracer, exporter = _tracer(0.0)  # kept when any linked span was, whatever the ratio
     with tracer.start_as_current_span("learner.step", links=[trace.Link(dropped), trace.Link(kept)]):
         pass
     with tracer.start_as_current_span("learner.step", links=[trace.Link(dropped)]):
+        pass
+    with tracer.start_as_current_span("learner.step"):  # no links: the ratio
+        pass
+    assert len(exporter.get_finished_spans()) == 1
+    tracer, exporter = _tracer(1 - 1e-9)  # dropped with the spans it links to (not kept by its own id)
+    for _ in range(20):
+        with tracer.start_as_current_span("learner.step", links=[trace.Link(dropped)]):
+            pass
+    with tracer.start_as_current_span("learner.step"):
         pass
     assert len(exporter.get_finished_spans()) == 1
     # links_to (the learner's links to the carriers of its groups) keeps the sampled flag

@@ -13,11 +13,13 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 from opentelemetry.sdk.trace.sampling import (ALWAYS_ON, Decision, ParentBased, Sampler, SamplingResult,
                                               TraceIdRatioBased)
 
 _provider: TracerProvider | None = None
+FILE_EXPORT_DELAY_MS = 1000  # a trace file's spans are written at most this long after they end (or at exit)
+FILE_EXPORT_QUEUE = 16384  # spans waiting for the file; beyond it (a burst the writer cannot follow) dropped
 
 
 def setup_tracing(service: str, trace_file: str = "", otlp_endpoint: str = "", *, otlp_tls: bool = False,
@@ -50,10 +52,11 @@ def build_provider(service: str, trace_file: str = "", otlp_endpoint: str = "", 
     """
     provider = TracerProvider(resource=Resource.create({"service.name": f"temper-{service}"}),
                               sampler=sampler(sample_ratio))
-    if trace_file:
+    if trace_file:  # batched off the handler threads; a crash loses at most the last second's spans
         out = open(trace_file, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
-        provider.add_span_processor(SimpleSpanProcessor(
-            ConsoleSpanExporter(out=out, formatter=lambda span: span.to_json(indent=None) + "\n")))
+        provider.add_span_processor(BatchSpanProcessor(
+            ConsoleSpanExporter(out=out, formatter=lambda span: span.to_json(indent=None) + "\n"),
+            schedule_delay_millis=FILE_EXPORT_DELAY_MS, max_queue_size=FILE_EXPORT_QUEUE))
     if otlp_endpoint:
         try:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -71,16 +74,17 @@ def build_provider(service: str, trace_file: str = "", otlp_endpoint: str = "", 
 def sampler(ratio: float) -> Sampler:
     """Parent-based sampling by trace id: a root span is recorded with probability ``ratio``, decided from
     its trace id; a child as its parent was (the W3C ``sampled`` flag crosses gRPC metadata and Kafka
-    headers), so a trace is kept or dropped whole. A root span that links to a recorded span (the learner
-    step to the scheduler steps whose groups it trained on) is recorded too, so a kept step keeps its
-    learner step."""
+    headers), so a trace is kept or dropped whole. A root span with links (the learner step, linked to
+    the scheduler steps whose groups it trained on) follows them: recorded when any linked span was."""
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"trace sample ratio {ratio!r} is not between 0 and 1")
     return ParentBased(ALWAYS_ON if ratio >= 1.0 else _LinkedOrRatio(ratio))
 
 
 class _LinkedOrRatio(Sampler):
-    """A root span's decision: recorded when it links to a recorded span, else by trace id with ``ratio``."""
+    """A root span's decision: one with links follows them (recorded when any linked span was, so a
+    learner step is traced with the steps it trained on and dropped with them); one without links
+    is kept by trace id with ``ratio``."""
 
     def __init__(self, ratio: float):
         self._ratio = ratio
@@ -88,8 +92,10 @@ class _LinkedOrRatio(Sampler):
 
     def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None, links=None,
                       trace_state=None) -> SamplingResult:
-        if any(link.context.trace_flags.sampled for link in links or ()):
-            return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes, trace_state)
+        if links:
+            keep = any(link.context.trace_flags.sampled for link in links)
+            return SamplingResult(Decision.RECORD_AND_SAMPLE if keep else Decision.DROP,
+                                  attributes if keep else None, trace_state)
         return self._by_id.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
 
     def get_description(self) -> str:
