@@ -96,6 +96,7 @@ def run_job(base, mode: str) -> dict:
             "spans": sum(spans.values())}
 
 
+@pytest.mark.timeout(ROUNDS * len(MODES) * 300)  # a run takes about a minute
 def test_telemetry_overhead_on_the_toy_loop(tmp_path):
     rounds: dict[str, list[dict]] = {m: [] for m in MODES}
     for r in range(ROUNDS):
