@@ -182,7 +182,7 @@ def test_cost_of_one_span(tmp_path):
             p.shutdown()
         receiver.stop()
     made = (ROUNDS + 1) * n
-    assert written == made
+    assert 0 < written <= made  # both batch: a burst beyond the queue is dropped (the SDK warns)
     assert 0 < exported <= made
     base = statistics.median(c for c, _ in per_span["no-op tracer"])
     print(f"\ncost of one span (start + 4 attributes + end, in-process), {ROUNDS} interleaved rounds x {n} spans, "
@@ -192,4 +192,4 @@ def test_cost_of_one_span(tmp_path):
         wall = statistics.median(w for _, w in per_span[mode])
         print(f"  {mode:<17} {cpu * 1e6:6.2f} us/span CPU ({wall * 1e6:6.2f} wall)  {cpu / base:5.1f}x the no-op tracer")
     print(f"  trace_file wrote {written} of {made} spans; otlp exported {exported} of {made} "
-          f"(a full batch queue drops spans: {made - exported} dropped)")
+          f"(a full batch queue drops spans: {made - written} / {made - exported} dropped)")
