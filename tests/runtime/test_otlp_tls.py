@@ -16,6 +16,7 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
+from temper.client.sdk import SchedulerClient
 from temper.runtime.config import ServiceConfig, load_config
 from temper.runtime.tls import issue, make_ca, write_identity
 from temper.runtime.tracing import setup_tracing
@@ -137,7 +138,8 @@ def test_a_collector_requiring_mtls_takes_spans_only_with_a_client_certificate_o
 
 def test_a_service_process_exports_its_spans_over_mtls(receiver, pki, tmp_path, broker):
     """The real lifecycle (``temper.runtime.service.run``): the TOML keys of the service's table reach its exporter;
-    the health checks ``spawn_service`` makes are server spans, flushed at the latest when the service stops."""
+    a StopJob call is a server span (the health checks ``spawn_service`` makes are polls, never traced), flushed at
+    the latest when the service stops."""
     address, got = receiver(require_client_cert=True)
     client = pki["client"]
     config = tmp_path / "job.toml"
@@ -147,8 +149,12 @@ def test_a_service_process_exports_its_spans_over_mtls(receiver, pki, tmp_path, 
                               "--kafka-bootstrap", broker, "--inference-address", "127.0.0.1:1")
     try:
         assert '"otlp": "tls"' in scheduler.log.read_text()
+        with pytest.raises(grpc.RpcError) as e:
+            scheduler.client(SchedulerClient).stop_job("no-such-job")
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
     finally:
         scheduler.stop()
     wait_until(lambda: got.spans, timeout=10, what="the service's spans at the collector")
     assert {service for service, _ in got.spans} == {"temper-scheduler"}
-    assert any("Health/Check" in name for name in got.names()), got.names()
+    assert "/temper.v1.SchedulerService/StopJob" in got.names(), got.names()
+    assert not any("Health/Check" in name for name in got.names()), got.names()

@@ -16,6 +16,7 @@ from prometheus_client import Counter
 from temper.client import transport
 from temper.runtime.errors import InvalidArgument, TemperError
 from temper.runtime.logs import get_logger
+from temper.runtime.tracing import traced_method
 
 RPC_ERRORS = Counter("temper_rpc_errors_total", "RPCs answered with an error status", ["method", "code"])
 
@@ -140,7 +141,7 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
 def channel(address: str, server_name: str = "") -> grpc.Channel:
     """A client channel that carries the trace context in metadata (the SDK's channel + OTel); ``server_name``
     as ``temper.client.transport.channel``'s."""
-    return intercept_channel(transport.channel(address, server_name=server_name), client_interceptor())
+    return intercept_channel(transport.channel(address, server_name=server_name), client_interceptor(filter_=traced_method))
 
 
 C = TypeVar("C")

@@ -52,7 +52,7 @@ from temper.runtime.config import ServiceConfig, describe_errors, load_config
 from temper.runtime.logs import setup_logging
 from temper.runtime.rpc import ErrorMappingInterceptor
 from temper.runtime.tls import server_credentials
-from temper.runtime.tracing import setup_tracing, shutdown_tracing
+from temper.runtime.tracing import setup_tracing, shutdown_tracing, traced_method
 
 C = TypeVar("C", bound=ServiceConfig)
 
@@ -110,7 +110,7 @@ def _server(config: ServiceConfig, name: str, token: str = "") -> grpc.Server:
     auth = [TokenAuthInterceptor(token)] if token else []
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix=name),
-        interceptors=[*auth, server_interceptor(), ErrorMappingInterceptor()],
+        interceptors=[*auth, server_interceptor(filter_=traced_method), ErrorMappingInterceptor()],
         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                  # a second process must never share a port by accident (a restart on the same port)

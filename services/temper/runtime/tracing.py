@@ -6,20 +6,47 @@ message headers (``inject_headers`` / ``extract_context``), with the W3C tracepa
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from pathlib import Path
+from typing import IO
 
 import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.sampling import (ALWAYS_ON, Decision, ParentBased, Sampler, SamplingResult,
                                               TraceIdRatioBased)
 
 _provider: TracerProvider | None = None
 FILE_EXPORT_DELAY_MS = 1000  # a trace file's spans are written at most this long after they end (or at exit)
 FILE_EXPORT_QUEUE = 16384  # spans waiting for the file; beyond it (a burst the writer cannot follow) dropped
+
+# Status reads that callers poll: a health probe, the scheduler waiting for a policy version, the CLI or a
+# view refreshing a job, the monitor's curves. They get no span and carry no context (the gRPC
+# interceptors skip them): a span per poll was a third of a toy step's spans and says nothing about a
+# sample's path. Every call that moves data (Generate, UpdateWeights, Sample, Insert, Score, ...) is traced.
+UNTRACED_METHODS = frozenset({
+    "/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch", "/grpc.health.v1.Health/List",
+    "/temper.v1.InferenceService/GetPolicyVersion",
+    "/temper.v1.LearnerService/Status",
+    "/temper.v1.MonitorService/RewardCurve", "/temper.v1.MonitorService/ListAlerts",
+    "/temper.v1.MonitorService/ListSteps",
+    "/temper.v1.ReplayService/Stats",
+    "/temper.v1.RewardService/ListDomains",
+    "/temper.v1.SchedulerService/GetJob", "/temper.v1.SchedulerService/ListJobs",
+})
+
+
+def traced_method(call_details) -> bool:
+    """The gRPC interceptors' filter: False for the polled status reads of ``UNTRACED_METHODS``. Takes a
+    server's ``HandlerCallDetails`` (``method``) or a client's call info (``full_method``)."""
+    name = getattr(call_details, "full_method", None) or getattr(call_details, "method", "")
+    if isinstance(name, bytes):
+        name = name.decode()
+    return name not in UNTRACED_METHODS
 
 
 def setup_tracing(service: str, trace_file: str = "", otlp_endpoint: str = "", *, otlp_tls: bool = False,
@@ -53,9 +80,9 @@ def build_provider(service: str, trace_file: str = "", otlp_endpoint: str = "", 
     provider = TracerProvider(resource=Resource.create({"service.name": f"temper-{service}"}),
                               sampler=sampler(sample_ratio))
     if trace_file:  # batched off the handler threads; a crash loses at most the last second's spans
-        out = open(trace_file, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
+        out = open(trace_file, "a")  # noqa: SIM115 - lives as long as the process
         provider.add_span_processor(BatchSpanProcessor(
-            ConsoleSpanExporter(out=out, formatter=lambda span: span.to_json(indent=None) + "\n"),
+            JsonLinesSpanExporter(out, f"temper-{service}"),
             schedule_delay_millis=FILE_EXPORT_DELAY_MS, max_queue_size=FILE_EXPORT_QUEUE))
     if otlp_endpoint:
         try:
@@ -69,6 +96,50 @@ def build_provider(service: str, trace_file: str = "", otlp_endpoint: str = "", 
             exporter = OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True)
         provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider
+
+
+class JsonLinesSpanExporter(SpanExporter):
+    """Spans as JSON lines (one object per span, one write and flush per batch), for ``trace_file``.
+
+    A line: ``name``, ``service``, ``context`` {``trace_id``, ``span_id``} (hex with 0x, as the SDK's
+    ``to_json``), ``kind``, ``parent_id`` (or null), ``start_time_unix_nano`` / ``end_time_unix_nano``
+    (integers, as OTLP/JSON), ``status`` {``status_code``[, ``description``]}, ``attributes``, ``events``
+    [{``name``, ``time_unix_nano``, ``attributes``}] and ``links`` [{``context``, ``attributes``}]. The
+    process's resource is the ``service`` name, not repeated whole on every line: the SDK's ``to_json``
+    (the resource on each span, ISO timestamps, indentation) cost as much CPU as making the span."""
+
+    def __init__(self, out: IO[str], service: str):
+        self._out = out
+        self._service = service
+        self._encode = json.JSONEncoder(separators=(",", ":"), default=str).encode
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        encode, service = self._encode, self._service
+        self._out.write("".join(encode(_span_record(span, service)) + "\n" for span in spans))
+        self._out.flush()
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        self._out.close()
+
+
+def _span_record(span: ReadableSpan, service: str) -> dict:
+    parent = span.parent
+    status = {"status_code": span.status.status_code.name}
+    if span.status.description:
+        status["description"] = span.status.description
+    return {"name": span.name, "service": service, "context": _context_record(span.context),
+            "kind": span.kind.name, "parent_id": f"0x{parent.span_id:016x}" if parent is not None else None,
+            "start_time_unix_nano": span.start_time, "end_time_unix_nano": span.end_time, "status": status,
+            "attributes": dict(span.attributes or {}),
+            "events": [{"name": e.name, "time_unix_nano": e.timestamp, "attributes": dict(e.attributes or {})}
+                       for e in span.events],
+            "links": [{"context": _context_record(link.context), "attributes": dict(link.attributes or {})}
+                      for link in span.links]}
+
+
+def _context_record(context: trace.SpanContext) -> dict:
+    return {"trace_id": f"0x{context.trace_id:032x}", "span_id": f"0x{context.span_id:016x}"}
 
 
 def sampler(ratio: float) -> Sampler:
