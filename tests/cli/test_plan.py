@@ -238,3 +238,20 @@ def test_run_and_dry_run_refuse_a_bad_service_value_alike_before_anything_starts
         assert "[learner] lr: Input should be a valid number" in p.stderr and "(got 'fast')" in p.stderr
     assert runs[0].stderr == runs[1].stderr
     assert not home.exists()  # no broker, no service, no model built
+
+
+def test_dry_run_shows_what_each_domain_is_paid_and_the_detectors_policies(temper, tmp_path):
+    job = tmp_path / "job.toml"
+    job.write_text('[job]\nsteps = 2\ndomains = ["toy.copy", "rg.gcd"]\n[model]\npreset = "tiny"\n'
+                   '[reward.domains.toy]\nweights = { "exact_answer.contains" = 1.0, exact_answer = 0.0 }\n'
+                   '[monitor.detectors.reward_vs_gold]\ngold = "component.exact_answer"\npolicy = "pause"\n'
+                   '[monitor.detectors.degeneration]\nenabled = false\n'
+                   '[monitor.detectors.length.domains.rg]\npolicy = "stop"\n')
+    code, out, err = temper("run", "--dry-run", "--config", str(job))
+    assert code == 0, err
+    assert "reward    toy.copy: [reward.domains.toy] exact_answer.contains 1, exact_answer 0\n" in out
+    assert "          rg.gcd: [reward.domains.rg] reasoning_gym 1" in out
+    monitor = next(line for line in out.splitlines() if line.startswith("monitor   "))
+    assert "reward_vs_gold pause," in monitor and "training_signal warn" in monitor
+    assert "length warn on toy.copy/stop on rg.gcd" in monitor  # a per-domain policy, named per domain
+    assert monitor.endswith("; off: degeneration")

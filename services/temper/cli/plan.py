@@ -183,6 +183,49 @@ def _domain_line(domain: str, config: dict | None) -> str:
     return "the family's defaults"
 
 
+def _reward_lines(plan: Plan) -> list[str]:
+    """Per job domain, the composite reward the reward service will pay: its [reward.domains.X] and weights."""
+    reward = plan.services["reward"].config
+    by_spec: dict[str, list[str]] = {}
+    specs = {}
+    for d in [*plan.spec.domains, *(d for d in plan.spec.eval_domains if d not in plan.spec.domains)]:
+        found = reward.domain_spec(d)
+        key = found[0] if found else ""
+        by_spec.setdefault(key, []).append(d)
+        specs[key] = found[1] if found else None
+    lines = []
+    for key, domains in by_spec.items():
+        spec = specs[key]
+        paid = ("no [reward.domains] entry: not scored" if spec is None else
+                f"[reward.domains.{key}] " + ", ".join(f"{c} {w:g}" for c, w in spec.weights.items()))
+        lines.append(f"{', '.join(domains)}: {paid}")
+    return lines
+
+
+def _monitor_line(plan: Plan) -> str:
+    """The detectors the monitor runs on the job's domains, each with its policy (warn | pause | stop)."""
+    from temper.monitor.core import DetectorSet
+    from temper.monitor.detectors import DETECTORS
+
+    detectors = DetectorSet(plan.services["monitor"].config.detectors)
+    domains = [*plan.spec.domains, *(d for d in plan.spec.eval_domains if d not in plan.spec.domains)]
+    per_name: dict[str, dict[str, str]] = {name: {} for name in DETECTORS}
+    for d in domains:
+        for source in sorted({cls.source for cls in DETECTORS.values()}):
+            for name, settings in detectors.for_domain(source, d):
+                per_name[name][d] = settings.policy
+    parts, off = [], []
+    for name, by_domain in per_name.items():
+        if not by_domain:
+            off.append(name)
+        elif len(set(by_domain.values())) == 1 and len(by_domain) == len(domains):
+            parts.append(f"{name} {next(iter(by_domain.values()))}")
+        else:
+            parts.append(f"{name} " + "/".join(f"{p} on {d}" for d, p in by_domain.items()))
+    return ("detectors (policy): " + ", ".join(parts) if parts else "no detector")\
+        + (f"; off: {', '.join(off)}" if off else "")
+
+
 def render_plan(plan: Plan) -> str:
     spec, s = plan.spec, plan.services
     inference, learner = s["inference"].config, s["learner"].config
@@ -205,6 +248,8 @@ def render_plan(plan: Plan) -> str:
               "domains   " + "\n          ".join(
                   f"{d}" + ("" if d in spec.domains else " (eval only)") + ": " + _domain_line(d, spec.domain_config.get(d))
                   for d in [*spec.domains, *(d for d in spec.eval_domains if d not in spec.domains)])]
+    lines.append("reward    " + "\n          ".join(_reward_lines(plan)))
+    lines.append(f"monitor   {_monitor_line(plan)}")
     ev = spec.eval
     if ev.size > 0:
         extra = f"; eval-only: {', '.join(ev.extra_domains)}" if ev.extra_domains else ""
