@@ -111,7 +111,7 @@ def test_dry_run_prints_the_plan_of_the_default_job_and_starts_nothing(temper, t
     assert "wave 1: inference, sandbox, replay\n" in out
     assert "wave 2: reward (needs sandbox), learner (needs inference, replay)" in out
     assert "wave 3: scheduler (needs inference, reward)" in out and "wave 4: monitor (needs scheduler)" in out
-    assert "the tiny preset (hidden_size 64, layers 2, heads 2, seed 0)" in out and "built at start" in out
+    assert "the tiny preset (hidden_size 64, layers 2, heads 2, seed 0, context 128)" in out and "built at start" in out
     assert "150 steps x 16 prompts x 8 samples (group_size) = 128 samples per step, 19200 in all" in out
     assert "toy.copy: the family's defaults" in out
     assert "100 held-out problems per domain (2 domains), seed 1000003" in out

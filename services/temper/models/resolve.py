@@ -28,7 +28,7 @@ from pathlib import Path
 from temper.runtime.errors import InvalidArgument, require
 
 PRESETS = ("tiny",)
-TINY_KNOBS = ("hidden_size", "layers", "heads", "seed")
+TINY_KNOBS = ("hidden_size", "layers", "heads", "seed", "context")
 TINY_MARKER = "temper-tiny-recipe.json"
 
 

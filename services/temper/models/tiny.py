@@ -28,8 +28,11 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def build_tiny_model(out_dir: str | Path, hidden_size: int = 64, layers: int = 2, heads: int = 2,
-                     seed: int = 0) -> Path:
+                     seed: int = 0, context: int = 128) -> Path:
     """Write a randomly initialised Llama-architecture model and its tokenizer to ``out_dir``.
+
+    ``context``: its context length in tokens (max_position_embeddings), prompt and completion together
+    (real datasets' prompts, e.g. HumanEval's, run to a few hundred).
 
     head_dim = hidden_size / heads must be one the vLLM CPU backend supports (32, 64, ...).
     Deterministic for a given ``seed``.
@@ -39,7 +42,7 @@ def build_tiny_model(out_dir: str | Path, hidden_size: int = 64, layers: int = 2
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=hidden_size * 2,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-        max_position_embeddings=128, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        max_position_embeddings=context, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True, torch_dtype="float32")
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)

@@ -16,6 +16,9 @@ A data domain is declared by its table, ``[job.domain_config."data.NAME"]``:
   carries it as ``metadata["verifier"]``, so the reward service scores the row with it (the ``data``
   domain spec's model components, e.g. ``rm``, still apply).
 - ``instruction``: appended to every prompt after a blank line (e.g. "Put your final answer in \\boxed{}.").
+- ``dataset``: a real benchmark set that a registry package ships (``humaneval``, ``champ``; see
+  ``temper.tasks.shipped``), in place of ``path``, ``format``, ``prompt_field`` and ``answer_field``; its
+  verifier and instruction are the defaults of ``verifier`` and ``instruction``.
 - A folder of code problems with their own tests (``verifier`` ``tests.pass_fraction`` / ``tests.all_pass``,
   ``format`` ``tests``): ``path`` is the folder (or a JSONL of prompts and tests folders), a problem's tests
   folder run by the sandbox is its reward; options ``tests_dir``, ``prompt_file``, ``solution_file``,
@@ -44,13 +47,13 @@ from pathlib import Path
 
 from temper.runtime.errors import InvalidArgument, require
 from temper.runtime.jsonl import jsonl_rows
-from temper.tasks import suites
+from temper.tasks import shipped, suites
 from temper.v1 import common_pb2
 
 PREFIX = "data."
 FORMATS = ("auto", "jsonl", "csv", "parquet", "hf")
 OPTIONS = ("path", "format", "prompt_field", "answer_field", "verifier", "instruction", "split", "eval_split",
-           "eval_path", "eval_fraction")
+           "eval_path", "eval_fraction", "dataset")
 REQUIRED = ("path", "prompt_field", "verifier")
 # verifiers that read more of a task than its reference answer (reasoning-gym rebuilds its own entry)
 NOT_FOR_DATA = {"reasoning_gym": "it rebuilds reasoning-gym's own entries; use an rg.<family> domain"}
@@ -77,6 +80,7 @@ class Dataset:
     verifier: str
     prompt_field: str
     answer_field: str
+    shipped: str = ""  # the shipped set's name (``dataset``), "" for the user's own file
 
     def describe(self) -> str:
         held = f"{len(self.held_out)} held out ({self.held_out_from})" if self.held_out else "none held out"
@@ -85,6 +89,11 @@ class Dataset:
             return (f"tests-folder problems {self.path}: {len(self.train) + len(self.held_out)} problems with "
                     f"{n_tests} tests, {len(self.train)} train, {held}; verifier {self.verifier} (each test a plain "
                     "Python run under the sandbox's assertion harness: the sandbox's Python has no pytest)")
+        if self.shipped:
+            s = shipped.SETS[self.shipped]
+            return (f"shipped dataset {self.shipped} ({s.describe}; {s.package}, {self.path}): "
+                    f"{len(self.train) + len(self.held_out)} rows, {len(self.train)} train, {held}; "
+                    f"verifier {self.verifier}")
         answer = f", answer {self.answer_field!r}" if self.answer_field else ""
         return (f"dataset {self.path} ({self.format}): {len(self.train) + len(self.held_out)} rows, "
                 f"{len(self.train)} train, {held}; prompt {self.prompt_field!r}{answer}; verifier {self.verifier}")
@@ -158,11 +167,37 @@ def load(domain: str, config: dict, field: str = "") -> Dataset:
     mtime), so a draw costs a dictionary lookup and a stat."""
     field = field or f"domain_config[{domain}]"
     require(isinstance(config, dict), field, "must be a table (path, prompt_field, answer_field, verifier)")
+    if "dataset" in config:
+        config = _shipped_config(config, field)
     try:
         key = json.dumps(config, sort_keys=True)
     except (TypeError, ValueError):
         raise InvalidArgument("options must be strings and numbers", field=field) from None
     return _dataset(domain, field, key, _stamp(config.get("path")), _stamp(config.get("eval_path")))
+
+
+def _shipped_config(config: dict, field: str) -> dict:
+    """``dataset = NAME``'s table with the options the set stands for filled in (``temper.tasks.shipped``)."""
+    from temper.reward.verifiers.registry import verifier_of
+
+    name = config["dataset"]
+    require(isinstance(name, str) and name in shipped.SETS, f"{field}.dataset",
+            f"unknown shipped dataset {name!r}; one of {sorted(shipped.SETS)}")
+    for option in shipped.REPLACED:
+        require(option not in config, f"{field}.{option}",
+                f"the shipped dataset {name} sets it; leave {option} out (or declare your own file without dataset)")
+    s = shipped.SETS[name]
+    verifier = config.get("verifier", s.verifier)
+    if isinstance(verifier, str):
+        _check_verifier(verifier, f"{field}.verifier")
+        code = verifier_of(s.verifier).name == "code"
+        require((verifier_of(verifier).name == "code") == code, f"{field}.verifier",
+                f"{name}'s reference answers are {'test suites' if code else 'math answers'}: "
+                f"{'a code verifier (code.all_pass, code.pass_fraction)' if code else 'a verifier of answers'}, "
+                f"got {verifier!r}")
+    return {**config, "path": str(shipped.path(name, f"{field}.dataset")), "format": "shipped",
+            "prompt_field": shipped.PROMPT_FIELD, "answer_field": shipped.ANSWER_FIELD, "verifier": verifier,
+            "instruction": config.get("instruction", s.instruction)}
 
 
 def _stamp(path) -> str:
@@ -207,9 +242,10 @@ def _dataset(domain: str, field: str, key: str, stamp: str, eval_stamp: str) -> 
     require(len(ways) <= 1, f"{field}.{ways[-1] if ways else 'eval_fraction'}",
             f"held-out rows come one way only; {' and '.join(ways)} are both set")
     fmt = config.get("format", "auto")
-    require(fmt in FORMATS or folders, f"{field}.format", f"must be one of {list(FORMATS)}, got {fmt!r}")
+    from_set = bool(config.get("dataset"))
+    require(fmt in FORMATS or folders or from_set, f"{field}.format", f"must be one of {list(FORMATS)}, got {fmt!r}")
     path = _existing(config["path"], f"{field}.path")
-    fmt = "tests" if folders else _format(path, fmt, f"{field}.format")
+    fmt = "tests" if folders else "shipped" if from_set else _format(path, fmt, f"{field}.format")
     require(fmt == "hf" or not (config.get("split") or config.get("eval_split")), f"{field}.split",
             "split / eval_split name the splits of a datasets folder (format hf)")
     eval_path = _existing(config["eval_path"], f"{field}.eval_path") if config.get("eval_path") else None
@@ -269,7 +305,8 @@ def _read_dataset(config: dict, field: str, path: Path, eval_path: Path | None, 
             said = config.get("instruction", suites.instruction(config))  # instruction = "" appends nothing
             return [Row(f"{prompt}\n\n{said}" if said else prompt, suite, where)
                     for prompt, suite, where in suites.problems(p, config, field, what)]
-        raw = list(_read(p, fmt, split, f"{field}.{what}"))
+        raw = (list(shipped.rows(config["dataset"], f"{field}.dataset")) if fmt == "shipped" else
+               list(_read(p, fmt, split, f"{field}.{what}")))
         require(len(raw) > 0, f"{field}.{what}", f"{p}{f' split {split}' if split else ''} has no rows")
         return [_row(values, where, p, prompt_field, answer_field, code_suites, instruction, needs_reference, field)
                 for values, where in raw]
@@ -291,7 +328,8 @@ def _read_dataset(config: dict, field: str, path: Path, eval_path: Path | None, 
         held_out = [r for r in rows if r.prompt in chosen]
         rows = [r for r in rows if r.prompt not in chosen]
         held_out_from = f"eval_fraction {fraction:g}"
-    return Dataset(str(path), fmt, tuple(rows), tuple(held_out), held_out_from, verifier, prompt_field, answer_field)
+    return Dataset(str(path), fmt, tuple(rows), tuple(held_out), held_out_from, verifier, prompt_field, answer_field,
+                   config.get("dataset") or "")
 
 
 def _row(values, where: str, path: Path, prompt_field: str, answer_field: str, code_suites: bool, instruction: str,
