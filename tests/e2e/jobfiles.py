@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 from temper.models.smollm2 import DEFAULT_DIR
 from tests.conftest import REPO
@@ -27,3 +32,16 @@ def edit_job(text: str, values: Mapping[tuple[str, str], str]) -> str:
         out.append(line)
     assert sorted(seen) == sorted(values), f"keys set {seen}, asked {sorted(values)}"
     return "\n".join(out) + "\n"
+
+
+def run_job_file(base: Path, text: str, job_timeout: int = 900) -> dict:
+    """``temper run`` of the job ``text`` (written to ``base/job.toml``) on a fresh home under ``base``, one
+    OpenMP thread per service; its ``summary.json``, once it exited 0 (else the end of its output)."""
+    (base / "job.toml").write_text(text)
+    runs = base / "runs"
+    proc = subprocess.run([sys.executable, "-m", "temper.cli.main", "--home", str(base / "home"), "run", "--config",
+                           str(base / "job.toml"), "--runs", str(runs), "--job-timeout", str(job_timeout)],
+                          capture_output=True, text=True, timeout=job_timeout + 300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((runs / "latest" / "summary.json").read_text())

@@ -5,11 +5,12 @@ false`` runs each raw completion as the program, so every HumanEval sample went 
 its problem's check(); the held-out rows of both sets are evaluated before and after."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
+
+from tests.e2e.jobfiles import run_job_file
 
 pytestmark = pytest.mark.e2e
 
@@ -19,7 +20,7 @@ STEPS = 4
 @pytest.fixture(scope="module")
 def summary(tmp_path_factory):
     base = tmp_path_factory.mktemp("shipped-sets-job")
-    (base / "job.toml").write_text(f"""
+    text = f"""
 [job]
 steps = {STEPS}
 prompts_per_step = 2   # with group_size 2: the 4 samples a step the summary keeps are the whole step
@@ -47,19 +48,15 @@ engine = "hf"
 
 [reward.code]
 require_code_block = false   # the tiny model writes no code block: run its completion as it is
-""")
-    runs = base / "runs"
+"""
+    (base / "job.toml").write_text(text)
     dry = subprocess.run([sys.executable, "-m", "temper.cli.main", "--home", str(base / "home"), "run", "--config",
                           str(base / "job.toml"), "--dry-run"], capture_output=True, text=True, timeout=300)
     assert dry.returncode == 0, dry.stderr
     assert "data.humaneval: shipped dataset humaneval (OpenAI HumanEval" in dry.stdout
     assert "164 rows, 147 train, 17 held out (eval_fraction 0.1); verifier code.all_pass" in dry.stdout
     assert "127 rows, 114 train, 13 held out (eval_fraction 0.1); verifier math" in dry.stdout
-    proc = subprocess.run([sys.executable, "-m", "temper.cli.main", "--home", str(base / "home"), "run", "--config",
-                           str(base / "job.toml"), "--runs", str(runs), "--job-timeout", "900"],
-                          capture_output=True, text=True, timeout=1200, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads((runs / "latest" / "summary.json").read_text())
+    return run_job_file(base, text)
 
 
 def test_both_sets_trained_and_evaluated_through_the_loop(summary):

@@ -6,13 +6,11 @@ each raw completion as solution.py, so every scored trajectory went through the 
 problem's per-test records (an empty completion, or one refused for having no code block, carries none)."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from temper.reward.verifiers.suites import CASE_PREFIX
+from tests.e2e.jobfiles import run_job_file
 
 pytestmark = pytest.mark.e2e
 
@@ -34,7 +32,7 @@ def summary(tmp_path_factory):
         (base / "problems" / name / "prompt.md").write_text(prompt)
         for file, text in tests.items():
             (base / "problems" / name / "tests" / file).write_text(text)
-    (base / "job.toml").write_text(f"""
+    return run_job_file(base, f"""
 [job]
 steps = {STEPS}
 prompts_per_step = 2
@@ -54,13 +52,7 @@ engine = "hf"
 
 [reward.code]
 require_code_block = false   # the tiny model writes no code block: run its completion as it is
-""")
-    runs = base / "runs"
-    proc = subprocess.run([sys.executable, "-m", "temper.cli.main", "--home", str(base / "home"), "run", "--config",
-                           str(base / "job.toml"), "--runs", str(runs), "--job-timeout", "600"],
-                          capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads((runs / "latest" / "summary.json").read_text())
+""", job_timeout=600)
 
 
 def test_the_loop_ran_and_every_reward_came_from_the_problems_tests(summary):
