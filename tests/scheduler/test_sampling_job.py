@@ -38,14 +38,16 @@ lagging = 1.0
 """
 
 
-def run_job(tmp_path, sampling: str) -> dict:
-    """`temper run` of the toy job over three domains with ``sampling`` tables; its summary.json."""
+def run_job(tmp_path, sampling: str, domains: str = '["toy.copy", "toy.next", "rg.chain_sum"]',
+            tables: str = "") -> dict:
+    """`temper run` of the toy job over ``domains`` with ``sampling`` tables (and other ``tables`` appended to the
+    file); its summary.json."""
     text = jobs.path("toy").read_text()
-    for old, new in (("steps = 150", f"steps = {STEPS}"),
-                     ('domains = ["toy.copy", "toy.next"]', 'domains = ["toy.copy", "toy.next", "rg.chain_sum"]'),
+    for old, new in (("steps = 150", f"steps = {STEPS}"), ('domains = ["toy.copy", "toy.next"]', f"domains = {domains}"),
                      ("size = 100", "size = 0"), ("\n[job.eval]\n", "\n" + sampling + "[job.eval]\n")):  # the table
         assert old in text
         text = text.replace(old, new, 1)
+    text += tables
     config = tmp_path / "job.toml"
     config.write_text(text)
     proc = subprocess.run([sys.executable, "-m", "temper.cli.main", "--home", str(tmp_path / "home"),
@@ -93,3 +95,27 @@ def test_dynamic_sampling_and_loss_weights_in_the_real_loop(tmp_path):
     assert sum(d["groups"] for d in by.values()) == sum(d["drawn"] for d in by.values()) == sampling["groups_scored"]
     # loss weights: the lagging domain's groups weigh more than the leading one's
     assert by["rg.chain_sum"]["loss_weight"] >= 1.0 >= min(by["toy.copy"]["loss_weight"], by["toy.next"]["loss_weight"])
+
+
+def test_rm_confidence_with_a_real_reward_model_in_the_loop(tmp_path):
+    """toy.next is rewarded by a learned reward model (a random tiny one, served by the reward service) with its
+    exact-answer verifier kept at weight 0: the scheduler measures how far the RM's scores are from the verifier's
+    (confidence = 1 - |rm - verifier mean| per group), and moves draw weight and loss weight away from it;
+    toy.copy, rewarded by its verifier alone, has no RM and keeps its full weight."""
+    from temper.reward.models import build_tiny_reward_model
+
+    rm = build_tiny_reward_model(tmp_path / "rm", seed=1)
+    tables = (f'\n[reward.rm]\ndir = "{rm}"\n\n'
+              '[reward.domains."toy.next"]\nweights = { rm = 1.0, exact_answer = 0.0 }\n')
+    summary = run_job(tmp_path, "[job.sampling.rm_confidence]\nwindow = 8\nmin_factor = 0.2\n\n",
+                      '["toy.copy", "toy.next"]', tables)
+    by = {d["domain"]: d for d in summary["sampling"]["domains"]}
+    assert by["toy.copy"]["rm_confidence"] == -1.0  # no reward model: no confidence to weigh
+    confidence = by["toy.next"]["rm_confidence"]
+    assert 0.0 <= confidence < 0.99, confidence  # a random RM does not agree with the verifier
+    # draw weight and loss weight scale by min_factor + (1 - min_factor) * confidence against toy.copy's
+    factor = 0.2 + 0.8 * confidence
+    assert by["toy.next"]["weight"] / by["toy.copy"]["weight"] == pytest.approx(factor, rel=1e-3)
+    assert by["toy.next"]["loss_weight"] / by["toy.copy"]["loss_weight"] == pytest.approx(factor, rel=1e-3)
+    samples = [s for step in summary["samples"].values() for s in step if s["domain"] == "toy.next"]
+    assert samples and all("rm" in s["components"] and s["reward"] == s["components"]["rm"] for s in samples)
