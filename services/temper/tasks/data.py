@@ -177,9 +177,8 @@ def load(domain: str, config: dict, field: str = "") -> Dataset:
 
 
 def _shipped_config(config: dict, field: str) -> dict:
-    """``dataset = NAME``'s table with the options the set stands for filled in (``temper.tasks.shipped``)."""
-    from temper.reward.verifiers.registry import verifier_of
-
+    """``dataset = NAME``'s table with the options the set stands for filled in (``temper.tasks.shipped``); the
+    verifier is checked with the rest of the table, once per dataset version (``_dataset``)."""
     name = config["dataset"]
     require(isinstance(name, str) and name in shipped.SETS, f"{field}.dataset",
             f"unknown shipped dataset {name!r}; one of {sorted(shipped.SETS)}")
@@ -187,17 +186,20 @@ def _shipped_config(config: dict, field: str) -> dict:
         require(option not in config, f"{field}.{option}",
                 f"the shipped dataset {name} sets it; leave {option} out (or declare your own file without dataset)")
     s = shipped.SETS[name]
-    verifier = config.get("verifier", s.verifier)
-    if isinstance(verifier, str):
-        _check_verifier(verifier, f"{field}.verifier")
-        code = verifier_of(s.verifier).name == "code"
-        require((verifier_of(verifier).name == "code") == code, f"{field}.verifier",
-                f"{name}'s reference answers are {'test suites' if code else 'math answers'}: "
-                f"{'a code verifier (code.all_pass, code.pass_fraction)' if code else 'a verifier of answers'}, "
-                f"got {verifier!r}")
     return {**config, "path": str(shipped.path(name, f"{field}.dataset")), "format": "shipped",
-            "prompt_field": shipped.PROMPT_FIELD, "answer_field": shipped.ANSWER_FIELD, "verifier": verifier,
-            "instruction": config.get("instruction", s.instruction)}
+            "prompt_field": shipped.PROMPT_FIELD, "answer_field": shipped.ANSWER_FIELD,
+            "verifier": config.get("verifier", s.verifier), "instruction": config.get("instruction", s.instruction)}
+
+
+def _check_shipped_verifier(name: str, verifier: str, field: str) -> None:
+    """A shipped set's references are test suites or answers: its verifier must be of the same kind."""
+    from temper.reward.verifiers.registry import verifier_of
+
+    code = verifier_of(shipped.SETS[name].verifier).name == "code"
+    require((verifier_of(verifier).name == "code") == code, field,
+            f"{name}'s reference answers are {'test suites' if code else 'math answers'}: "
+            f"{'a code verifier (code.all_pass, code.pass_fraction)' if code else 'a verifier of answers'}, "
+            f"got {verifier!r}")
 
 
 def _stamp(path) -> str:
@@ -228,6 +230,8 @@ def _dataset(domain: str, field: str, key: str, stamp: str, eval_stamp: str) -> 
     require("verifier" in config, f"{field}.verifier", "required")
     verifier = config["verifier"]
     needs_reference = _check_verifier(verifier, f"{field}.verifier")
+    if config.get("dataset"):
+        _check_shipped_verifier(config["dataset"], verifier, f"{field}.verifier")
     for option in ("path",) if folders else REQUIRED:
         require(option in config, f"{field}.{option}", "required")
     if folders:
