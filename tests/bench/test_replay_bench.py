@@ -37,7 +37,7 @@ OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_messag
 CONFIG = """
 [replay]
 ingest_tables = []
-max_workers = 8
+max_concurrent_rpcs = 8
 
 [replay.tables.uniform]
 sampler = "uniform"

@@ -41,7 +41,7 @@ IN_FLIGHT = 2  # calls a client keeps outstanding (Reverb: 32 unconfirmed items 
 CONFIG = """
 [replay]
 ingest_tables = []
-max_workers = 8
+max_concurrent_rpcs = 8
 fsync = {fsync}
 
 [replay.tables.uniform]

@@ -112,17 +112,19 @@ def test_still_serving_after_bad_requests(client):
 
 
 def test_queue_full_is_resource_exhausted(service):
-    """2 run, 2 wait, the rest are refused at once."""
+    """2 run, 2 wait, the rest are refused at once, with retry advice. (A channel without the SDK's retry
+    policy, which would retry the refused calls after the advised delay.)"""
     def call(_):
-        with sandbox_client(service) as c:
+        with SandboxClient(service.address, channel=grpc.insecure_channel(service.address)) as c:
             try:
                 return verdict(c.execute("import time\ntime.sleep(2)\n", wall_seconds=10))
             except grpc.RpcError as e:
-                return e.code().name
+                advice = dict(e.trailing_metadata() or ()).get("grpc-retry-pushback-ms")
+                return f"{e.code().name} {advice} {'max_queue=2' in e.details()}"
 
     with ThreadPoolExecutor(8) as pool:
         outcomes = list(pool.map(call, range(8)))
-    assert sorted(outcomes) == ["OK"] * 4 + ["RESOURCE_EXHAUSTED"] * 4, outcomes
+    assert sorted(outcomes) == ["OK"] * 4 + ["RESOURCE_EXHAUSTED 500 True"] * 4, outcomes
 
 
 def test_traces_are_published_to_kafka(broker, tmp_path):

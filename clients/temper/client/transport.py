@@ -1,8 +1,10 @@
 """Client channels: message-size limits, a retry policy for transient failures, health checks.
 
 Retries are gRPC's own (the ``retryPolicy`` of the channel's service config): a call that
-fails with UNAVAILABLE before the server saw it is tried again with exponential backoff. No
-hand-written retry loops. Servers that want the trace context in metadata wrap the channel
+fails with UNAVAILABLE before the server saw it is tried again with exponential backoff, and one
+a busy server refused (RESOURCE_EXHAUSTED: backpressure) after the delay the server advised in
+``grpc-retry-pushback-ms``; five attempts in all, then the caller gets the status. No hand-written
+retry loops. Servers that want the trace context in metadata wrap the channel
 with their interceptors (``channel(address, interceptors=...)``); the SDK needs none.
 
 Authentication: services started with a shared token (``[auth] mode = "token"``) refuse calls
@@ -31,7 +33,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 MAX_MESSAGE_BYTES = 64 << 20
 
-# every method of every service: UNAVAILABLE (connection refused/reset, server restarting) is retried
+# every method of every service: UNAVAILABLE (connection refused/reset, server restarting) and
+# RESOURCE_EXHAUSTED (a server at its max_concurrent_rpcs, which advises when to come back) are retried
 RETRY_SERVICE_CONFIG = json.dumps({
     "methodConfig": [{
         "name": [{}],
@@ -40,7 +43,7 @@ RETRY_SERVICE_CONFIG = json.dumps({
             "initialBackoff": "0.1s",
             "maxBackoff": "2s",
             "backoffMultiplier": 2,
-            "retryableStatusCodes": ["UNAVAILABLE"],
+            "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"],
         },
     }],
 })

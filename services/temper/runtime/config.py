@@ -70,7 +70,8 @@ class ServiceConfig(BaseSettings):
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     data_dir: str = Field(".temper/data", description="where the service keeps its files")
     grace_seconds: float = Field(5.0, description="on SIGTERM, how long in-flight calls may take to finish")
-    max_workers: int = Field(16, description="gRPC handler threads")
+    max_concurrent_rpcs: int = Field(64, ge=1, description="calls served at once (health checks aside); the next "
+                                     "one is refused RESOURCE_EXHAUSTED with retry advice (backpressure)")
 
     @field_validator("otlp_ca_file", "otlp_cert_file")
     @classmethod

@@ -31,7 +31,13 @@ class NotFound(TemperError):
 
 
 class ResourceExhausted(TemperError):
+    """Too busy now; ``retry_after_ms`` (if set) goes to the caller as retry advice (gRPC's retry pushback)."""
+
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, field: str | None = None, retry_after_ms: int = 0):
+        super().__init__(message, field)
+        self.retry_after_ms = retry_after_ms
 
 
 class DeadlineExceeded(TemperError):

@@ -6,12 +6,14 @@ The server's lifecycle (bind, health, reflection, metrics, drain on SIGTERM) is
 
 from __future__ import annotations
 
+import random
+import threading
 from typing import TypeVar
 
 import grpc
 from opentelemetry.instrumentation.grpc import client_interceptor
 from opentelemetry.instrumentation.grpc.grpcext import intercept_channel
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from temper.client import transport
 from temper.runtime.errors import InvalidArgument, TemperError
@@ -19,8 +21,14 @@ from temper.runtime.logs import get_logger
 from temper.runtime.tracing import traced_method
 
 RPC_ERRORS = Counter("temper_rpc_errors_total", "RPCs answered with an error status", ["method", "code"])
+RPC_IN_FLIGHT = Gauge("temper_rpc_in_flight", "calls being served now (health checks aside)")
+RPC_SHED = Counter("temper_rpc_shed_total", "calls refused RESOURCE_EXHAUSTED: max_concurrent_rpcs were in flight",
+                   ["method"])
 
 _log = get_logger(component="rpc")
+
+# gRPC's retry policy waits this long (trailing metadata) before it tries a refused call again
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 
 
 # Status details travel in a trailer (percent-encoded: up to 12 bytes per character) and gRPC drops a
@@ -44,6 +52,8 @@ def _details(e: Exception) -> str:
 def _abort(context: grpc.ServicerContext, method: str, e: Exception):
     if isinstance(e, TemperError):
         RPC_ERRORS.labels(method, e.code.name).inc()
+        if getattr(e, "retry_after_ms", 0) > 0:
+            context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(e.retry_after_ms)),))
         context.abort(e.code, _details(e))
     RPC_ERRORS.labels(method, "INTERNAL").inc()
     _log.exception("rpc failed", method=method)
@@ -83,6 +93,87 @@ def _checked(requests):
         if isinstance(request, _Undecodable):
             raise request.invalid(f"requests[{i}]")
         yield request
+
+
+UNLIMITED_PREFIXES = ("/grpc.health.v1.Health/",)  # probes are answered however busy the service is
+
+
+def _rewrap(handler: grpc.RpcMethodHandler, wrap) -> grpc.RpcMethodHandler:
+    """``handler`` with its behaviour replaced by ``wrap(behavior, streaming_response)``."""
+    kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary, False), **kw)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(wrap(handler.stream_unary, False), **kw)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(wrap(handler.unary_stream, True), **kw)
+    return grpc.stream_stream_rpc_method_handler(wrap(handler.stream_stream, True), **kw)
+
+
+class AdmissionInterceptor(grpc.ServerInterceptor):
+    """Backpressure: at most ``limit`` calls are served at once (health checks aside); the next one is
+    refused at once with RESOURCE_EXHAUSTED, the setting named, and retry advice: ``grpc-retry-pushback-ms``
+    trailing metadata (gRPC's retry policy waits that long before it tries again; the SDK's channels
+    retry RESOURCE_EXHAUSTED) and the same delay in the message. Work never piles up in a queue the
+    caller cannot see, and a probe is never stuck behind it.
+
+    A call is counted from the moment a handler thread runs it to its end, so the server's thread pool
+    holds ``limit`` admitted calls plus spare threads that refuse the next ones and answer probes (see
+    ``temper.runtime.service``)."""
+
+    def __init__(self, limit: int, retry_after_ms: int = 250, setting: str = "max_concurrent_rpcs"):
+        self.limit, self.retry_after_ms, self.setting = limit, retry_after_ms, setting
+        self._lock = threading.Lock()
+        self.in_flight = 0
+
+    def _enter(self) -> bool:
+        with self._lock:
+            if self.in_flight >= self.limit:
+                return False
+            self.in_flight += 1
+        RPC_IN_FLIGHT.inc()
+        return True
+
+    def _leave(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
+        RPC_IN_FLIGHT.dec()
+
+    def _refuse(self, context: grpc.ServicerContext, method: str):
+        # jittered, so refused callers do not all come back in the same instant
+        delay = int(self.retry_after_ms * (1 + random.random()))
+        RPC_SHED.labels(method).inc()
+        context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(delay)),))
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"{self.setting}: busy, {self.limit} calls in flight (the limit); retry in {delay} ms")
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or method.startswith(UNLIMITED_PREFIXES):
+            return handler
+
+        def wrap(behavior, streaming):
+            if streaming:
+                def inner_stream(request, context):
+                    if not self._enter():
+                        self._refuse(context, method)
+                    try:
+                        yield from behavior(request, context)
+                    finally:
+                        self._leave()
+                return inner_stream
+
+            def inner(request, context):
+                if not self._enter():
+                    self._refuse(context, method)
+                try:
+                    return behavior(request, context)
+                finally:
+                    self._leave()
+            return inner
+
+        return _rewrap(handler, wrap)
 
 
 class ErrorMappingInterceptor(grpc.ServerInterceptor):

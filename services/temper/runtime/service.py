@@ -50,7 +50,7 @@ from temper.client.transport import MAX_MESSAGE_BYTES
 from temper.runtime.auth import TokenAuthInterceptor, server_token
 from temper.runtime.config import ServiceConfig, describe_errors, load_config
 from temper.runtime.logs import setup_logging
-from temper.runtime.rpc import ErrorMappingInterceptor
+from temper.runtime.rpc import AdmissionInterceptor, ErrorMappingInterceptor
 from temper.runtime.tls import server_credentials
 from temper.runtime.tracing import setup_tracing, shutdown_tracing, traced_method
 
@@ -71,7 +71,7 @@ class Service(Generic[C]):
     config_class: ClassVar[type[ServiceConfig]]
 
     def __init__(self, config: C):
-        """Cheap: no resources yet (the port is not even bound). May adjust ``config`` (e.g. max_workers)."""
+        """Cheap: no resources yet (the port is not even bound). May adjust ``config`` (e.g. max_concurrent_rpcs)."""
         self.config = config
         self.stop_event = threading.Event()
 
@@ -106,11 +106,20 @@ def read_port_file(path: str | Path) -> dict | None:
         return None
 
 
+# Handler threads beyond max_concurrent_rpcs: they answer health checks and refuse calls over the limit at
+# once. Past HARD_QUEUE more calls waiting for a thread, gRPC itself refuses new ones (RESOURCE_EXHAUSTED,
+# "Concurrent RPC limit exceeded!"), so even a flood of refusals never queues without bound.
+SPARE_THREADS, HARD_QUEUE = 8, 256
+
+
 def _server(config: ServiceConfig, name: str, token: str = "") -> grpc.Server:
     auth = [TokenAuthInterceptor(token)] if token else []
+    limit = config.max_concurrent_rpcs
     return grpc.server(
-        futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix=name),
-        interceptors=[*auth, server_interceptor(filter_=traced_method), ErrorMappingInterceptor()],
+        futures.ThreadPoolExecutor(max_workers=limit + SPARE_THREADS, thread_name_prefix=name),
+        interceptors=[*auth, AdmissionInterceptor(limit), server_interceptor(filter_=traced_method),
+                      ErrorMappingInterceptor()],
+        maximum_concurrent_rpcs=limit + SPARE_THREADS + HARD_QUEUE,
         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                  # a second process must never share a port by accident (a restart on the same port)

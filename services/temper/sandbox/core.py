@@ -380,7 +380,8 @@ class Admission:
             if self.running >= self.max_concurrency:
                 if self.waiting >= self.max_queue:
                     raise ResourceExhausted(f"sandbox busy: {self.running} executions running and {self.waiting} "
-                                            f"queued (max_queue={self.max_queue}); retry later")
+                                            f"queued (max_queue={self.max_queue}); retry later",
+                                            retry_after_ms=500)
                 self.waiting += 1
                 try:
                     while self.running >= self.max_concurrency:

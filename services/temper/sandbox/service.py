@@ -23,8 +23,9 @@ class SandboxService(Service[SandboxConfig]):
     config_class = SandboxConfig
 
     def __init__(self, config: SandboxConfig):
-        # the gRPC pool must hold every admitted call plus room to refuse the next ones at once
-        config.max_workers = max(config.max_workers, config.concurrency() + config.max_queue + 4)
+        # every execution the sandbox admits (running or waiting) is a call in flight: its own queue
+        # (max_queue) refuses the next ones, with the sandbox's reason
+        config.max_concurrent_rpcs = max(config.max_concurrent_rpcs, config.concurrency() + config.max_queue + 4)
         super().__init__(config)
         self.producer: kafka.ProtoProducer | None = None
 
