@@ -10,6 +10,7 @@ status: never expected).
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import threading
 import time
@@ -31,6 +32,7 @@ class LoadResult:
     ok: int = 0
     shed: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+    error_examples: dict[str, str] = field(default_factory=dict)  # the details of the first error of each code
     calls_per_s: float = 0.0
     p50_ms: float = 0.0
     p99_ms: float = 0.0
@@ -56,7 +58,7 @@ class LoadResult:
         return (f"{self.service}: {self.clients} clients x {self.seconds:.0f} s: {self.calls_per_s:.1f} calls/s "
                 f"(one client alone {self.single_calls_per_s:.1f}), p50 {self.p50_ms:.1f} ms p99 {self.p99_ms:.1f} ms "
                 f"(alone p50 {self.single_p50_ms:.1f}), shed {self.shed_rate:.1%} ({self.shed_by_server} refusals at the "
-                f"server), errors {self.error_rate:.1%} {self.errors or ''}, probes {self.probes} "
+                f"server), errors {self.error_rate:.1%} {self.error_examples or ''}, probes {self.probes} "
                 f"(max {self.probe_max_ms:.0f} ms, {self.probes_not_serving} not SERVING), RSS MiB "
                 f"{self.rss_mib_first_quarter:.0f} -> {self.rss_mib_last_quarter:.0f} (peak {self.rss_mib_peak:.0f})")
 
@@ -83,21 +85,25 @@ def _percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
+_CALL_NUMBERS = itertools.count()  # next() is atomic in CPython: unique across threads and phases
+
+
 def _calls(make_client: Callable[[], object], call: Callable[[object, int], None], seconds: float,
-           stop: threading.Event, latencies: list[float], outcomes: Counter, lock: threading.Lock, worker: int) -> None:
+           stop: threading.Event, latencies: list[float], outcomes: Counter, examples: dict[str, str],
+           lock: threading.Lock) -> None:
     client = make_client()
     try:
         deadline = time.monotonic() + seconds
-        n = 0
         while time.monotonic() < deadline and not stop.is_set():
+            n = next(_CALL_NUMBERS)
             t0 = time.perf_counter()
             try:
-                call(client, worker * 1_000_000 + n)
+                call(client, n)
                 outcome = "ok"
             except grpc.RpcError as e:
                 outcome = "shed" if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else e.code().name
+                examples.setdefault(outcome, (e.details() or "")[:300])
             elapsed = (time.perf_counter() - t0) * 1000
-            n += 1
             with lock:
                 outcomes[outcome] += 1
                 if outcome == "ok":
@@ -106,27 +112,29 @@ def _calls(make_client: Callable[[], object], call: Callable[[object, int], None
         client.close()
 
 
-def _phase(make_client, call, clients: int, seconds: float) -> tuple[list[float], Counter, float]:
+def _phase(make_client, call, clients: int, seconds: float) -> tuple[list[float], Counter, dict[str, str], float]:
     latencies: list[float] = []
     outcomes: Counter = Counter()
+    examples: dict[str, str] = {}
     lock, stop = threading.Lock(), threading.Event()
-    threads = [threading.Thread(target=_calls, args=(make_client, call, seconds, stop, latencies, outcomes, lock, w),
-                                daemon=True) for w in range(clients)]
+    threads = [threading.Thread(target=_calls,
+                                args=(make_client, call, seconds, stop, latencies, outcomes, examples, lock),
+                                daemon=True) for _ in range(clients)]
     t0 = time.monotonic()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return latencies, outcomes, time.monotonic() - t0
+    return latencies, outcomes, examples, time.monotonic() - t0
 
 
 def run_load(service: str, address: str, pid: int, make_client: Callable[[], object],
              call: Callable[[object, int], None], clients: int, seconds: float, single_seconds: float = 3.0,
              shed_counter: Callable[[], float] | None = None) -> LoadResult:
-    """``call(client, n)`` makes one call (``n`` unique across every client, e.g. for ids)."""
+    """``call(client, n)`` makes one call (``n`` unique across every call of the process, e.g. for ids)."""
     result = LoadResult(service, clients, seconds)
-    single, single_outcomes, single_wall = _phase(make_client, call, 1, single_seconds)
-    assert single_outcomes["ok"] == sum(single_outcomes.values()), f"one client alone failed: {single_outcomes}"
+    single, single_outcomes, single_examples, single_wall = _phase(make_client, call, 1, single_seconds)
+    assert single_outcomes["ok"] == sum(single_outcomes.values()), f"one client alone failed: {single_examples}"
     result.single_calls_per_s = single_outcomes["ok"] / single_wall
     result.single_p50_ms = _percentile(single, 50)
     shed_before = shed_counter() if shed_counter else 0.0
@@ -149,13 +157,14 @@ def run_load(service: str, address: str, pid: int, make_client: Callable[[], obj
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    latencies, outcomes, wall = _phase(make_client, call, clients, seconds)
+    latencies, outcomes, examples, wall = _phase(make_client, call, clients, seconds)
     done.set()
     watcher.join()
 
     result.calls = sum(outcomes.values())
     result.ok, result.shed = outcomes["ok"], outcomes["shed"]
     result.errors = {k: v for k, v in outcomes.items() if k not in ("ok", "shed")}
+    result.error_examples = {k: v for k, v in examples.items() if k in result.errors}
     result.calls_per_s = result.ok / wall
     result.p50_ms, result.p99_ms = _percentile(latencies, 50), _percentile(latencies, 99)
     result.probes, result.probes_not_serving = len(probe_ms), not_serving
