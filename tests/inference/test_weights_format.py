@@ -1,10 +1,16 @@
-"""The weight-update stream's digests: XXH3-128 (what the SDK sends) or SHA-256, each one checked."""
+"""The weight-update stream: digests (XXH3-128, what the SDK sends, or SHA-256, each one checked) and the
+receiver's reading of each blob's safetensors header, whatever the chunking."""
+
+import json
+import struct
 
 import pytest
 import torch
+import xxhash
 
 from temper.inference.weights import WeightAssembler, chunks_from_tensors
 from temper.runtime.errors import InvalidArgument
+from temper.v1 import inference_pb2
 
 
 def _tensors():
@@ -74,3 +80,48 @@ def test_oversized_chunk_is_refused():
     with pytest.raises(InvalidArgument) as e:
         WeightAssembler.collect(chunks, 100, 1 << 20)
     assert e.value.field == "chunks[0].data"
+
+
+@pytest.mark.parametrize("chunk_bytes", [3, 16, 97, 1 << 20])
+def test_every_dtype_and_shape_round_trips_whatever_the_chunking(chunk_bytes):
+    """Chunks as small as 3 bytes split the 8-byte length and the header itself; each tensor is rebuilt from them."""
+    g = torch.Generator().manual_seed(1)
+    tensors = {"w": torch.randn(7, 5, generator=g), "half": torch.randn(4, 3, generator=g).to(torch.bfloat16),
+               "f16": torch.randn(6, generator=g).half(), "mask": torch.rand(9, generator=g) > 0.5,
+               "ids": torch.arange(11, dtype=torch.int64), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4)}
+    for checksum in ("xxh3_128", "sha256"):
+        chunks = list(chunks_from_tensors(tensors, chunk_bytes=chunk_bytes, checksum=checksum))
+        got = WeightAssembler.collect(chunks, max_chunk_bytes=chunk_bytes, max_total_bytes=1 << 20).tensors
+        assert list(got) == list(tensors)
+        for name, t in tensors.items():
+            assert got[name].dtype == t.dtype and got[name].shape == t.shape and torch.equal(got[name], t), name
+
+
+def _with_header(name: str, header: dict, data: bytes) -> list:
+    """A hand-made blob (8-byte length, JSON header, data) as one chunk with a correct digest."""
+    head = json.dumps(header).encode()
+    blob = struct.pack("<Q", len(head)) + head + data
+    return [inference_pb2.UpdateWeightsRequest(tensor_name=name, data=blob, offset=0, total_bytes=len(blob),
+                                               xxh3_128=xxhash.xxh3_128_hexdigest(blob))]
+
+
+@pytest.mark.parametrize("header, data, words", [
+    ({"w": {"dtype": "F32", "shape": [1 << 40], "data_offsets": [0, 1 << 42]}}, b"\0" * 16, "data_offsets"),
+    ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 12, "12 sent"),
+    ({"w": {"dtype": "C64", "shape": [2], "data_offsets": [0, 16]}}, b"\0" * 16, "bad entry"),
+    ({"w": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}}, b"\0" * 16, "bad shape"),
+    ({"v": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 16, r"blob holds \['v'\]"),
+])
+def test_a_header_that_does_not_match_the_data_is_refused_before_anything_is_allocated(header, data, words):
+    with pytest.raises(InvalidArgument, match=words) as e:
+        WeightAssembler.collect(_with_header("w", header, data), 1 << 20, 1 << 20)
+    assert e.value.field == "tensor w"
+
+
+def test_bytes_that_are_no_safetensors_blob_are_refused():
+    for blob in (struct.pack("<Q", 1 << 30) + b"{}", struct.pack("<Q", 4) + b"nope" + b"\0" * 8, b"\x01\x02"):
+        chunk = inference_pb2.UpdateWeightsRequest(tensor_name="w", data=blob, offset=0, total_bytes=len(blob),
+                                                   xxh3_128=xxhash.xxh3_128_hexdigest(blob))
+        with pytest.raises(InvalidArgument, match="not a safetensors blob") as e:
+            WeightAssembler.collect([chunk], 1 << 20, 1 << 20)
+        assert e.value.field == "tensor w"

@@ -3,19 +3,25 @@
 Sender: ``chunks_from_tensors`` yields UpdateWeightsRequest messages (chunks), one tensor after another, each
 tensor's blob in order, with the blob's digest on its last chunk: XXH3-128 by default (an
 integrity check against truncation and corruption that costs little next to copying the bytes)
-or sha256. Receiver: ``WeightAssembler`` checks order, sizes and every digest present, and
-returns the tensors only when the stream is complete and every check passed (the caller then
-applies them atomically).
+or sha256. Receiver: ``WeightAssembler`` checks order and sizes as chunks arrive, reads the blob's
+safetensors header from its first bytes (one tensor, of the name the chunks carry; its dtype, shape
+and size agreeing with ``total_bytes``), allocates that tensor once and copies each chunk's bytes
+straight into it while hashing them (XXH3 as they arrive; sha256, if that is the digest sent, over
+the finished blob): no joined blob, no second copy. It returns the tensors only when the stream is
+complete and every digest present matched (the caller then applies them atomically).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import math
+import struct
 from collections.abc import Iterable, Iterator
 
+import numpy as np
 import torch
 import xxhash
-from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from temper.runtime.errors import InvalidArgument, require
@@ -24,6 +30,11 @@ from temper.v1 import inference_pb2
 DEFAULT_CHUNK_BYTES = 4 << 20  # = the server's default max_chunk_bytes
 # UpdateWeightsRequest fields that carry a digest of the whole blob -> hex digest of bytes
 DIGESTS = {"xxh3_128": xxhash.xxh3_128_hexdigest, "sha256": lambda blob: hashlib.sha256(blob).hexdigest()}
+# safetensors dtype names -> torch dtypes (what safetensors.torch writes)
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+MAX_HEADER_BYTES = 1 << 20  # one tensor's header is ~100 bytes; more is not a blob of ours
 
 
 def chunks_from_tensors(tensors: dict[str, torch.Tensor], chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -43,6 +54,86 @@ def chunks_from_tensors(tensors: dict[str, torch.Tensor], chunk_bytes: int = DEF
             first = False
 
 
+class _Incoming:
+    """One tensor being received: its safetensors header (buffered until whole), then its data copied
+    straight into the tensor it describes, hashed on the way."""
+
+    def __init__(self, name: str, total: int):
+        self.name, self.total = name, total
+        self.received = 0
+        self.xxh3 = xxhash.xxh3_128()
+        self._head = bytearray()  # the 8-byte length and the JSON header, until both are whole
+        self.header = b""
+        self.tensor: torch.Tensor | None = None
+        self._dst: np.ndarray | None = None  # the tensor's bytes, writable
+        self._filled = 0
+
+    def add(self, data: bytes) -> None:
+        self.xxh3.update(data)
+        self.received += len(data)
+        view = memoryview(data)
+        if self.tensor is None:
+            view = self._read_header(view)
+            if self.tensor is None:
+                return
+        if len(view):
+            self._dst[self._filled:self._filled + len(view)] = np.frombuffer(view, dtype=np.uint8)
+            self._filled += len(view)
+
+    def _read_header(self, view: memoryview) -> memoryview:
+        """Take header bytes from ``view``; once the header is whole, allocate the tensor; the rest of ``view``."""
+        field = f"tensor {self.name}"
+        need = 8 if len(self._head) < 8 else 8 + struct.unpack("<Q", self._head[:8])[0]
+        take = min(need - len(self._head), len(view))
+        self._head += view[:take]
+        view = view[take:]
+        if len(self._head) == 8:
+            size = struct.unpack("<Q", self._head)[0]
+            require(0 < size <= MAX_HEADER_BYTES and 8 + size <= self.total, field,
+                    f"not a safetensors blob: header of {size} bytes")
+            return self._read_header(view) if len(view) else view
+        if len(self._head) < need:
+            return view
+        self.header = bytes(self._head)
+        try:
+            meta = json.loads(self.header[8:])
+        except ValueError as e:
+            raise InvalidArgument(f"not a safetensors blob: {e}", field=field) from e
+        require(isinstance(meta, dict), field, "not a safetensors blob: the header is not an object")
+        names = [k for k in meta if k != "__metadata__"]
+        require(names == [self.name], field, f"blob holds {names}, expected [{self.name!r}]")
+        info = meta[self.name]
+        ok = isinstance(info, dict) and info.get("dtype") in SAFETENSORS_DTYPES and isinstance(info.get("shape"), list)
+        require(ok, field, f"not a safetensors blob: bad entry {str(info)[:200]}")
+        shape = info["shape"]
+        require(all(isinstance(d, int) and d >= 0 for d in shape), field, f"bad shape {shape}")
+        dtype = SAFETENSORS_DTYPES[info["dtype"]]
+        nbytes = math.prod(shape) * dtype.itemsize
+        require(info.get("data_offsets") == [0, nbytes] and len(self.header) + nbytes == self.total, field,
+                f"not a safetensors blob: {info['dtype']} {shape} is {nbytes} bytes, data_offsets "
+                f"{info.get('data_offsets')}, {self.total - len(self.header)} sent")
+        self.tensor = torch.empty(shape, dtype=dtype)
+        self._dst = self.tensor.reshape(-1).view(torch.uint8).numpy()
+        return view
+
+    def check(self, last: inference_pb2.UpdateWeightsRequest) -> torch.Tensor:
+        """The finished tensor, once every digest the last chunk carries matched."""
+        field = f"tensor {self.name}"
+        digests = {f: getattr(last, f) for f in DIGESTS if getattr(last, f)}
+        require(bool(digests), field, f"the last chunk must carry a digest of the blob ({' or '.join(DIGESTS)})")
+        for f, expected in digests.items():
+            if f == "xxh3_128":
+                actual = self.xxh3.hexdigest()
+            else:  # the blob again, from the header kept and the tensor's own bytes
+                h = hashlib.sha256(self.header)
+                if self._dst is not None:
+                    h.update(self._dst)
+                actual = h.hexdigest()
+            require(actual == expected.lower(), field, f"checksum mismatch ({f})")
+        require(self.tensor is not None, field, "not a safetensors blob: it ended inside its header")
+        return self.tensor
+
+
 class WeightAssembler:
     """Collects a stream of UpdateWeightsRequest chunks into tensors, validating as it goes."""
 
@@ -53,59 +144,40 @@ class WeightAssembler:
         self.new_version = 0
         self.lineage = ""
         self.bytes = 0
-        self._name: str | None = None
-        self._pieces: list[bytes] = []  # the current tensor's chunks, joined once at its end
-        self._received = 0
-        self._total = 0
+        self._current: _Incoming | None = None
 
     def add(self, chunk: inference_pb2.UpdateWeightsRequest, index: int) -> None:
         field = f"chunks[{index}]"
-        data = chunk.data  # one copy out of the message, reused below
+        data = chunk.data  # one copy out of the message; from it straight into the tensor
         require(bool(chunk.tensor_name), f"{field}.tensor_name", "required")
         require(len(data) <= self.max_chunk_bytes, f"{field}.data",
                 f"{len(data)} bytes exceed the max chunk size {self.max_chunk_bytes}")
         if index == 0:
             self.new_version = chunk.new_version
             self.lineage = chunk.lineage
-        if self._name is None:  # a new tensor starts
+        current = self._current
+        if current is None:  # a new tensor starts
             require(chunk.tensor_name not in self.tensors, f"tensor {chunk.tensor_name}", "sent twice")
             require(chunk.offset == 0, f"{field}.offset", "a tensor's first chunk must have offset 0")
             require(0 < chunk.total_bytes <= self.max_total_bytes, f"{field}.total_bytes",
                     f"must be in (0, {self.max_total_bytes}]")
-            self._name, self._total = chunk.tensor_name, chunk.total_bytes
-            self._pieces, self._received = [], 0
-        require(chunk.tensor_name == self._name, f"tensor {self._name}",
-                f"incomplete: {self._received} of {self._total} bytes before {chunk.tensor_name!r} started")
-        require(chunk.offset == self._received, f"{field}.offset", f"expected {self._received}, got {chunk.offset}")
-        require(chunk.total_bytes == self._total, f"{field}.total_bytes", "changed within a tensor")
-        self._received += len(data)
+            current = self._current = _Incoming(chunk.tensor_name, chunk.total_bytes)
+        require(chunk.tensor_name == current.name, f"tensor {current.name}",
+                f"incomplete: {current.received} of {current.total} bytes before {chunk.tensor_name!r} started")
+        require(chunk.offset == current.received, f"{field}.offset", f"expected {current.received}, got {chunk.offset}")
+        require(chunk.total_bytes == current.total, f"{field}.total_bytes", "changed within a tensor")
         self.bytes += len(data)
         require(self.bytes <= self.max_total_bytes, "chunks", f"update exceeds {self.max_total_bytes} bytes")
-        require(self._received <= self._total, f"tensor {self._name}", "more bytes than total_bytes")
-        self._pieces.append(data)
-        if self._received == self._total:
-            self._finish(chunk)
-
-    def _finish(self, last: inference_pb2.UpdateWeightsRequest) -> None:
-        name = self._name
-        blob = self._pieces[0] if len(self._pieces) == 1 else b"".join(self._pieces)
-        self._pieces = []
-        digests = {field: getattr(last, field) for field in DIGESTS if getattr(last, field)}
-        require(bool(digests), f"tensor {name}", f"the last chunk must carry a digest of the blob ({' or '.join(DIGESTS)})")
-        for field, expected in digests.items():
-            require(DIGESTS[field](blob) == expected.lower(), f"tensor {name}", f"checksum mismatch ({field})")
-        try:
-            loaded = load_safetensors(blob)
-        except Exception as e:  # noqa: BLE001 - any parse failure is the sender's fault
-            raise InvalidArgument(f"not a safetensors blob: {e}", field=f"tensor {name}") from e
-        require(list(loaded) == [name], f"tensor {name}", f"blob holds {list(loaded)}, expected [{name!r}]")
-        self.tensors[name] = loaded[name]
-        self._name = None
+        require(current.received + len(data) <= current.total, f"tensor {current.name}", "more bytes than total_bytes")
+        current.add(data)
+        if current.received == current.total:
+            self.tensors[current.name] = current.check(chunk)
+            self._current = None
 
     def finish(self) -> dict[str, torch.Tensor]:
-        if self._name is not None:
-            raise InvalidArgument(f"stream ended after {self._received} of {self._total} bytes",
-                                  field=f"tensor {self._name}")
+        if self._current is not None:
+            raise InvalidArgument(f"stream ended after {self._current.received} of {self._current.total} bytes",
+                                  field=f"tensor {self._current.name}")
         require(bool(self.tensors), "chunks", "no tensors received")
         return self.tensors
 
