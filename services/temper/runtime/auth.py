@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from temper.client.transport import AUTH_TOKEN_FILE_ENV, TLS_DIR_ENV, auth_token
 from temper.runtime.config import job_table
+from temper.runtime.rpc import rewrap
 
 OPEN_METHODS = ("/grpc.health.v1.Health/",)  # prefixes callable without a token
 
@@ -115,11 +116,4 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         def refuse(request_or_iterator, context):
             context.abort(code, message)
 
-        kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(refuse, **kw)
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(refuse, **kw)
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(refuse, **kw)
-        return grpc.unary_unary_rpc_method_handler(refuse, **kw)
+        return rewrap(handler, lambda _behavior, _streams: refuse)

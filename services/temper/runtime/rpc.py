@@ -98,9 +98,11 @@ def _checked(requests):
 UNLIMITED_PREFIXES = ("/grpc.health.v1.Health/",)  # probes are answered however busy the service is
 
 
-def _rewrap(handler: grpc.RpcMethodHandler, wrap) -> grpc.RpcMethodHandler:
-    """``handler`` with its behaviour replaced by ``wrap(behavior, streaming_response)``."""
-    kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+def rewrap(handler: grpc.RpcMethodHandler, wrap, request_deserializer=None) -> grpc.RpcMethodHandler:
+    """``handler`` with its behaviour replaced by ``wrap(behavior, streams_responses)`` (and its request
+    deserializer by ``request_deserializer``, if given): the one way a server interceptor wraps a method."""
+    kw = dict(request_deserializer=request_deserializer or handler.request_deserializer,
+              response_serializer=handler.response_serializer)
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary, False), **kw)
     if handler.stream_unary:
@@ -153,8 +155,8 @@ class AdmissionInterceptor(grpc.ServerInterceptor):
         if handler is None or method.startswith(UNLIMITED_PREFIXES):
             return handler
 
-        def wrap(behavior, streaming):
-            if streaming:
+        def wrap(behavior, streams_responses):
+            if streams_responses:
                 def inner_stream(request, context):
                     if not self._enter():
                         self._refuse(context, method)
@@ -173,7 +175,7 @@ class AdmissionInterceptor(grpc.ServerInterceptor):
                     self._leave()
             return inner
 
-        return _rewrap(handler, wrap)
+        return rewrap(handler, wrap)
 
 
 class ErrorMappingInterceptor(grpc.ServerInterceptor):
@@ -194,7 +196,19 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
                 raise request.invalid("request")
             return request
 
-        def wrap_unary(behavior):
+        def wrap(behavior, streams_responses):
+            if streams_responses:
+                def inner_stream(request, context):
+                    try:
+                        yield from behavior(checked(request), context)
+                    except TemperError as e:
+                        _abort(context, method, e)
+                    except grpc.RpcError:
+                        raise
+                    except Exception as e:  # noqa: BLE001
+                        _abort(context, method, e)
+                return inner_stream
+
             def inner(request, context):
                 try:
                     return behavior(checked(request), context)
@@ -206,27 +220,7 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
                     _abort(context, method, e)
             return inner
 
-        def wrap_stream(behavior):
-            def inner(request, context):
-                try:
-                    yield from behavior(checked(request), context)
-                except TemperError as e:
-                    _abort(context, method, e)
-                except grpc.RpcError:
-                    raise
-                except Exception as e:  # noqa: BLE001
-                    _abort(context, method, e)
-            return inner
-
-        kw = dict(request_deserializer=_tolerant(handler.request_deserializer),
-                  response_serializer=handler.response_serializer)
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary), **kw)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(wrap_unary(handler.stream_unary), **kw)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(wrap_stream(handler.unary_stream), **kw)
-        return grpc.stream_stream_rpc_method_handler(wrap_stream(handler.stream_stream), **kw)
+        return rewrap(handler, wrap, request_deserializer=_tolerant(handler.request_deserializer))
 
 
 def channel(address: str, server_name: str = "") -> grpc.Channel:
