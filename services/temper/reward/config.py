@@ -12,6 +12,10 @@ from temper.runtime.config import ServiceConfig
 class RewardConfig(ServiceConfig, RewardSettings):
     section = "reward"
 
+    replicas: int = Field(1, ge=1, description="how many reward services the local launcher (`temper up`) starts, "
+                                               "each on its own port, one Kafka consumer group: the `rollouts` "
+                                               "topic gets as many partitions and each replica scores its share; "
+                                               "Score calls go round robin (Kubernetes: the Deployment's replicas)")
     consumer_group: str = Field("temper-reward", description="Kafka consumer group of the `rollouts` stream")
     publish_timeout_seconds: float = Field(30.0, description="how long a scored group may wait for the broker's "
                                                              "acknowledgement")

@@ -287,7 +287,8 @@ class Launcher:
             state.broker = Proc("broker", proc.pid, f"127.0.0.1:{port}", str(logs / "broker.log"))
             self._save(state)
             from temper.runtime.kafka import ensure_topics
-            ensure_topics(state.kafka_bootstrap)
+            # one partition per reward replica: each member of the consumer group scores its share of `rollouts`
+            ensure_topics(state.kafka_bootstrap, partitions=len(replica_names("reward", cfg)))
             shutil.rmtree(self.home / "data" / "shared", ignore_errors=True)  # a past stack's policy is not ours
             started = []
             for wave in waves(names):

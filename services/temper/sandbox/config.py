@@ -48,6 +48,9 @@ class LanguageConfig(BaseModel):
 class SandboxConfig(ServiceConfig):
     section = "sandbox"
 
+    replicas: int = Field(1, ge=1, description="how many sandbox services the local launcher (`temper up`) starts, "
+                                               "each on its own port: reward's calls go round robin over all "
+                                               "(Kubernetes: the Deployment's replicas behind a headless Service)")
     max_concurrency: int = Field(0, description="executions at once; 0 = the number of CPU cores")
     max_queue: int = Field(8, description="executions waiting for a slot; beyond: RESOURCE_EXHAUSTED")
     pool_size: int = Field(-1, description="sandboxes booted ahead; -1 = max_concurrency")
