@@ -2,7 +2,9 @@
 
     PYTHONPATH=services:clients python tests/bench/gpu_check.py OUT.json [MODEL_FILES]
 
-(``--smoke`` instead of OUT.json: the same on the CPU at toy sizes, to check the script itself.)
+(``--smoke`` instead of OUT.json: the same on the CPU at toy sizes, to check the script itself.
+``--sweep`` measures only the GRPO step of 2. at several ``micro_batch_tokens``: 4096 (the default), 16384,
+65536 and 0, one micro-batch for the whole batch.)
 
 1. The learner's device tests (``tests/learner/test_memory_and_devices.py``: the CUDA step against the CPU
    step, bf16 autocast where the GPU supports it), which skip on machines without a GPU.
@@ -38,6 +40,7 @@ from temper.learner.trainer import Trainer, TrainerConfig
 REPO = Path(__file__).resolve().parents[2]
 SMOLLM2 = REPO / ".temper" / "models" / "smollm2-135m-instruct"
 SMOKE = "--smoke" in sys.argv
+SWEEP = "--sweep" in sys.argv
 DEVICE = "cpu" if SMOKE else "cuda"
 FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -92,7 +95,7 @@ def learner_figures(model_dir: Path, config: TrainerConfig, b: Batch, rounds: in
 
 def main(out_path: str, files: Path) -> int:
     report: dict = {"device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu", "torch": torch.__version__}
-    if not SMOKE:
+    if not SMOKE and not SWEEP:
         tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "--noconftest", "-p", "no:cacheprovider", "-rs",
                                 str(REPO / "tests" / "learner" / "test_memory_and_devices.py")],
                                capture_output=True, text=True, cwd=REPO)
@@ -108,6 +111,13 @@ def main(out_path: str, files: Path) -> int:
         model_dir = random_model(files, Path(tmp))
         vocab = AutoConfig.from_pretrained(model_dir).vocab_size
         grpo = batch(16 // scale, 8 // scale, 256 // scale, 512 // scale, vocab)
+        if SWEEP:
+            report["micro_batch_tokens_sweep"] = {
+                str(n): learner_figures(model_dir, TrainerConfig(device=DEVICE, micro_batch_tokens=n), grpo)
+                for n in (4096, 16384, 65536, 0)}
+            print(json.dumps(report["micro_batch_tokens_sweep"], indent=1), flush=True)
+            Path(out_path).write_text(json.dumps(report, indent=1))
+            return 0
         report["learner_16x8_256+512"] = {
             "defaults": learner_figures(model_dir, TrainerConfig(device=DEVICE), grpo),
             "fp32": learner_figures(model_dir, TrainerConfig(device=DEVICE, autocast="fp32"), grpo),
@@ -136,5 +146,5 @@ def main(out_path: str, files: Path) -> int:
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--smoke"]
+    args = [a for a in sys.argv[1:] if a not in ("--smoke", "--sweep")]
     sys.exit(main(args[0] if args else "gpu_check.json", Path(args[1]) if len(args) > 1 else SMOLLM2))
