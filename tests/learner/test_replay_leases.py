@@ -71,3 +71,25 @@ def test_a_batch_never_acknowledged_goes_to_the_next_caller(replay):
     with pytest.raises(grpc.RpcError) as e:
         replay.ack_sample(dead.lease_id)
     assert e.value.code() == grpc.StatusCode.NOT_FOUND and "lease_id" in e.value.details()
+
+
+def test_a_learner_gives_back_at_once_the_batch_its_killed_predecessor_held(replay, tmp_path):
+    """A learner killed after its step but before its checkpoint and ack left its lease id in the checkpoint
+    folder; its successor requeues that batch before it samples, so it trains it now, not after the lease."""
+    replay.insert([tiny_model_group("e"), tiny_model_group("f")])
+    dead = replay.sample_batch(2, timeout_ms=0, lease_ms=600_000)  # held for 10 minutes by a learner now dead
+    assert [g.group_id for g in dead.groups] == ["e", "f"]
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    (checkpoints / "lease-in-hand").write_text(dead.lease_id)
+    trainer = Trainer(build_tiny_model(tmp_path / "m", seed=0), TrainerConfig())
+    loop = LearnerLoop(trainer, replay, [], None, groups_per_step=2, sample_timeout_ms=500, sample_lease_s=60,
+                       checkpoint_dir=checkpoints, checkpoint_every=1)
+    loop.start()
+    try:
+        wait_until(lambda: loop.state.step >= 1, 30, what="the predecessor's batch trained")
+    finally:
+        loop.stop()
+    assert sorted(loop.state.last.group_ids) == ["e", "f"]
+    assert not (checkpoints / "lease-in-hand").exists()  # settled: nothing left for a successor
+    assert replay.stats().size == 0

@@ -36,6 +36,7 @@ model, is reported by address (log, ``LearnerState.replica_errors``) and never p
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
@@ -169,6 +170,7 @@ class LearnerLoop:
         self._thread.join(30)
 
     def _run(self) -> None:
+        self._requeue_left_behind()
         while not self._stop.is_set():
             self._resume.wait()
             if self._stop.is_set():
@@ -187,6 +189,7 @@ class LearnerLoop:
                                                current_policy_version=self.trainer.policy_version,
                                                lease_ms=int(self.sample_lease_s * 1000))
                     sampled, lease = (list(r.groups), list(r.info)), r.lease_id
+                    self._hold(lease)
                 except grpc.RpcError as e:
                     if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                         _log.warning("sample failed", code=e.code().name, details=e.details())
@@ -240,6 +243,44 @@ class LearnerLoop:
             LEASES_LOST.inc()
             _log.warning("replay lease not settled", lease_id=lease, action=action, code=e.code().name,
                          details=e.details())
+        self._hold("")
+
+    # The lease of the batch in hand, in the checkpoint folder while the batch is trained: a learner killed
+    # between its step and the ack (after its push, before its checkpoint) leaves it there, and its successor
+    # gives that batch back to replay at once instead of waiting for the lease to run out -- it is drawn
+    # again and trained if the successor's checkpoint predates it, dropped as a duplicate if not.
+    def _lease_file(self) -> Path | None:
+        return self.checkpoint_dir / "lease-in-hand" if self.checkpoint_dir is not None else None
+
+    def _hold(self, lease: str) -> None:
+        path = self._lease_file()
+        if path is None:
+            return
+        try:
+            if lease:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(lease)
+                os.replace(tmp, path)
+            else:
+                path.unlink(missing_ok=True)
+        except OSError as e:  # the lease then runs out by itself, as without this file
+            _log.warning("lease in hand not recorded", error=str(e))
+
+    def _requeue_left_behind(self) -> None:
+        path = self._lease_file()
+        try:
+            lease = path.read_text().strip() if path is not None and path.exists() else ""
+        except OSError:
+            lease = ""
+        if not lease:
+            return
+        try:
+            self.replay.ack_sample(lease, "requeue")
+            _log.info("gave back the batch a killed predecessor held", lease_id=lease)
+        except grpc.RpcError as e:  # NOT_FOUND: already settled, or it ran out and went back by itself
+            _log.info("predecessor's lease already settled", lease_id=lease, code=e.code().name)
+        self._hold("")
 
     # -- one step ------------------------------------------------------------------------------
     def train_on(self, groups: list[common_pb2.RolloutGroup], t0: float | None = None,
