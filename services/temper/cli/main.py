@@ -238,7 +238,8 @@ def cmd_run(args) -> int:
             followed = follow_job(state, spec, timeout=args.job_timeout, check=launcher.raise_if_failed)
         except JobTimedOut as e:  # what the job did so far is reported, then the run fails
             write_report(out, spec, config, e.followed.steps, time.monotonic() - t1, e.followed,
-                         extra={"model_dir": str(model.dir), "up_seconds": up_seconds, "incomplete": str(e),
+                         extra={"model_dir": str(model.dir), "home": str(launcher.home), "up_seconds": up_seconds,
+                                "incomplete": str(e),
                                 "total_seconds": time.monotonic() - t0})
             print(f"partial report of the unfinished job: {out}/summary.json", flush=True)
             raise
@@ -250,7 +251,7 @@ def cmd_run(args) -> int:
         end_job(state, spec.job_id)  # paused or interrupted: its saved state must not resume in a later stack
         launcher.down()
     out = write_report(out, spec, config, steps, wall, followed,
-                       extra={"model_dir": str(model.dir), "up_seconds": up_seconds,
+                       extra={"model_dir": str(model.dir), "home": str(launcher.home), "up_seconds": up_seconds,
                               "total_seconds": time.monotonic() - t0,
                               "policy": {"path": exported.path, "policy_version": exported.policy_version,
                                          "bytes": exported.bytes}})
@@ -628,6 +629,9 @@ def build_parser() -> argparse.ArgumentParser:
     from temper.cli.reward import add_commands as add_reward_commands
 
     add_reward_commands(sub, command, common)
+    from temper.cli.capacity import add_commands as add_capacity_commands
+
+    add_capacity_commands(sub, command, common)
     return parser
 
 
