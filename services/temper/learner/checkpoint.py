@@ -21,6 +21,7 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
@@ -84,6 +85,8 @@ def save(trainer, directory: str | Path) -> Path:
 def load(trainer, directory: str | Path) -> dict:
     """Restore ``trainer`` from ``directory``; returns the checkpoint's trainer.json."""
     src = Path(directory)
+    if getattr(trainer, "world", 1) > 1 and trainer.rank == 0:  # the followers restore the same folder
+        dist.broadcast_object_list([("load", str(src))], src=0)
     meta_path = src / "trainer.json"
     if not meta_path.exists():
         raise FailedPrecondition(f"{src} is not a checkpoint (no trainer.json)", field="path")

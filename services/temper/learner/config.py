@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from temper.learner.algos import NEEDS_CRITIC
 from temper.learner.trainer import TrainerConfig
 from temper.runtime.config import ServiceConfig, address_of, from_job, model_dir, shared_dir
 
@@ -28,6 +29,9 @@ class LearnerConfig(ServiceConfig, TrainerConfig):
                                  "inference's policy_dir; shared storage in a cluster); \"\": none")
     groups_per_step: int = from_job("prompts_per_step", 16, "GRPO groups per update (the launcher: "
                                                             "[job].prompts_per_step)")
+    ranks: int = Field(1, ge=1, le=64, description="data-parallel ranks on this host: the service is rank 0 and "
+                       "starts ranks - 1 followers; each step's micro-batches are split over them and the gradients "
+                       "summed (temper.learner.ranks; gloo on CPU, nccl on CUDA)")
     table: str = Field("default", description="the replay table the learner samples")
     sample_lease_seconds: float = Field(60.0, ge=0, le=86_400, description="> 0: each batch is sampled with a "
                                         "replay lease of this length, renewed every third of it while its step runs "
@@ -51,6 +55,13 @@ class LearnerConfig(ServiceConfig, TrainerConfig):
                                                 "resumes from its newest one; \"\" = checkpoint_dir only")
     dependency_wait_seconds: float = Field(120.0, description="at start-up, how long to wait for inference replicas "
                                                               "that are still starting before resuming")
+
+    @model_validator(mode="after")
+    def _ranks_without_critic(self):
+        if self.ranks > 1 and self.advantage in NEEDS_CRITIC:
+            raise ValueError(f"ranks: {self.ranks} ranks train critic-free estimators only; advantage "
+                             f"{self.advantage!r} trains a critic (use ranks = 1, or grpo, rloo, ...)")
+        return self
 
     def trainer_config(self) -> TrainerConfig:
         return TrainerConfig(**self.model_dump(include=set(TrainerConfig.model_fields)))

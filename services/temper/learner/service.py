@@ -9,6 +9,7 @@ from temper.client.discovery import Replicas
 from temper.client.sdk import InferenceClient, ReplayClient
 from temper.learner.config import LearnerConfig
 from temper.learner.loop import LearnerLoop
+from temper.learner.ranks import Ranks
 from temper.learner.servicer import LearnerServicer
 from temper.learner.trainer import Trainer
 from temper.runtime import kafka
@@ -28,6 +29,9 @@ class LearnerService(Service[LearnerConfig]):
             mirror = mirror_from_url(config.checkpoint_url)
         except StorageError as e:
             raise StartupError(f"checkpoint_url: {e}") from e
+        if config.ranks > 1:  # the followers start and join before the model loads (temper.learner.ranks)
+            ranks = Ranks(config.ranks, config.data_dir, config.model_dir, config.trainer_config().model_dump())
+            stack.callback(ranks.close)
         trainer = Trainer(config.model_dir, config.trainer_config())  # the slow part; the port is already bound
         # channels to dependencies that may still be loading: calls wait for their servers (see runtime.service)
         replay = stack.enter_context(client(ReplayClient, config.replay_address))

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from transformers import AutoModelForCausalLM
 
@@ -333,6 +334,17 @@ class Trainer:
         # groups with a longer sequence are dropped before training (temper.learner.batching.screen_groups)
         self.max_sequence_tokens = config.max_sequence_tokens or self.context_length or 0
         self.softcap = getattr(lm_config, "final_logit_softcapping", None)
+        # data parallelism over the ranks of torch.distributed's default group (temper.learner.ranks): every
+        # rank holds the whole model; rank r runs micro-batches r, r + W, ... of each step, the gradients are
+        # summed over the ranks before clipping, so every rank applies the same update as one rank would
+        self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.rank = dist.get_rank() if self.world > 1 else 0
+        if self.world > 1 and self.critic is not None:
+            raise InvalidArgument(f"advantage {config.advantage!r} trains a critic; a learner over {self.world} "
+                                  "ranks trains critic-free estimators only (grpo, rloo, ...)", field="ranks")
+        if self.world > 1:  # the same starting weights everywhere, whatever each rank loaded
+            for t in self.model.state_dict().values():
+                dist.broadcast(t, 0)
         self._set_lr()
 
     # -- forward passes ----------------------------------------------------------------------
@@ -404,6 +416,8 @@ class Trainer:
         t0 = time.perf_counter()
         cfg = self.config
         dev = self.device
+        if self.world > 1 and self.rank == 0:  # the followers train the same batch (temper.learner.ranks)
+            dist.broadcast_object_list([("step", batch)], src=0)
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         batch.validate(self.vocab_size, self.context_length)
@@ -441,17 +455,19 @@ class Trainer:
         adv_dev, old_all = advantages.to(dev), batch.old_logprobs.to(dev, torch.float32)
         returns_dev = None if returns is None else returns.to(dev)
         lr = self._set_lr()
-        pre_update: list[torch.Tensor] = []  # epoch 0's logprobs: the weights before this step
+        pre_update: dict[int, torch.Tensor] = {}  # epoch 0's logprobs: the weights before this step
         metrics: dict[str, float] = {}
+        mine = [(i, mb) for i, mb in enumerate(mbs) if i % self.world == self.rank]  # this rank's micro-batches
         for epoch in range(cfg.epochs):
             self.optimizer.zero_grad(set_to_none=True)
             sums: dict[str, float] = {}
-            for i, mb in enumerate(mbs):
+            bad = ""
+            for i, mb in mine:
                 share = mb.lengths.sum().item() / n_tokens
                 logprobs, entropy = self._logprobs(self.model, mb, entropy_grad=cfg.entropy_coef > 0)
                 old = old_all[mb.tokens]
                 if epoch == 0:
-                    pre_update.append(logprobs.detach())
+                    pre_update[i] = logprobs.detach()
                 ratio_base, is_weights = old, None
                 if cfg.off_policy_correction == "tis":
                     ratio_base = pre_update[i]
@@ -480,7 +496,8 @@ class Trainer:
                 if cfg.entropy_coef > 0:
                     loss = loss - cfg.entropy_coef * a(entropy)
                 if not torch.isfinite(loss):
-                    raise self._skip("non-finite loss")
+                    bad = "non-finite loss"
+                    break
                 loss.backward()
                 with torch.no_grad():
                     info["entropy"] = entropy.detach().mean().item()
@@ -491,6 +508,10 @@ class Trainer:
                 info["loss"], info["policy_loss"] = loss.item(), policy_loss.item()
                 for k, v in info.items():
                     sums[k] = sums.get(k, 0.0) + v * (1.0 if k in ("loss", "policy_loss") else share)
+            if self.world > 1:
+                bad, sums = self._reduce_ranks(bad, sums)
+            if bad:
+                raise self._skip(bad)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
             if not torch.isfinite(grad_norm):
                 raise self._skip("non-finite gradient")
@@ -498,6 +519,8 @@ class Trainer:
             if self.critic is not None:
                 sums.update(self._critic_step(mbs, old_values, returns_dev, agg))
             metrics = {**sums, "grad_norm": float(grad_norm)}
+        if self.world > 1:  # each rank filled its own micro-batches' tokens
+            dist.all_reduce(loss_tokens)
         # per-group priority signals for prioritized replay (the loop sends the configured one)
         signals = algos.group_priorities(advantages, loss_tokens, token_group, n_groups)
         self.group_signals = {name: dict(zip(batch.group_ids or [], values.tolist())) for name, values in signals.items()}
@@ -506,8 +529,11 @@ class Trainer:
         metrics["zero_signal_groups"] = float((signals["mean_abs_advantage"] == 0).sum())
         if cfg.lr_kl_target > 0:  # how far this step moved the policy: KL(pi_before || pi_after), k3
             with torch.no_grad():
-                after = torch.cat([self._logprobs(self.model, mb)[0] for mb in mbs])
-            metrics["update_kl"] = algos.kl_k3(torch.cat(pre_update), after).mean().item()
+                kl_sum = torch.tensor([sum(algos.kl_k3(pre_update[i], self._logprobs(self.model, mb)[0]).sum().item()
+                                           for i, mb in mine)], dtype=torch.float64)
+            if self.world > 1:
+                dist.all_reduce(kl_sum)
+            metrics["update_kl"] = kl_sum.item() / n_tokens
             self.lr.observe_kl(metrics["update_kl"])
         if ref_logprobs is not None:
             self.kl.update(metrics.get("kl_ref", 0.0), n_seqs)
@@ -537,6 +563,27 @@ class Trainer:
             metrics["step_reward_trajectories"] = float(sum(1 for r in batch.step_rewards if r))
             metrics["step_rewards"] = float(sum(len(r) for r in batch.step_rewards))
         return metrics
+
+    def _reduce_ranks(self, bad: str, sums: dict[str, float]) -> tuple[str, dict[str, float]]:
+        """Sum the gradients and the metric sums over the ranks (one flat buffer); a rank's non-finite loss
+        skips the step on every rank."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in self.params])
+        dist.all_reduce(flat)
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            offset += n
+        gathered: list = [None] * self.world
+        dist.all_gather_object(gathered, (bad, sums))
+        total: dict[str, float] = {}
+        for _, part in gathered:
+            for k, v in part.items():
+                total[k] = total.get(k, 0.0) + v
+        return next((b for b, _ in gathered if b), ""), total
 
     def _critic_step(self, mbs: list[ModelInputs], old_values: torch.Tensor, returns: torch.Tensor, agg
                      ) -> dict[str, float]:

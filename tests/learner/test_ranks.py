@@ -1,0 +1,142 @@
+"""The learner over 2 ranks (gloo, two real processes, a FileStore rendezvous) applies the update one rank
+applies: same loss and weights up to float tolerance, over steps with several epochs and micro-batches; a
+checkpoint restored on rank 0 is restored by the follower; a critic over ranks is refused naming the field;
+the learner service with ``ranks = 2`` trains through its gRPC surface with a follower process."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from temper.learner.trainer import Trainer, TrainerConfig
+from temper.models.tiny import build_tiny_model
+from tests.learner.test_memory_and_devices import random_batch
+
+pytestmark = pytest.mark.slow
+
+CONFIG = {"micro_batch_tokens": 120, "epochs": 2, "autocast": "fp32", "device": "cpu", "lr": 0.01,
+          "gradient_checkpointing": False, "cpu_threads": 1}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+def _rank0(world: int, store: str, model_dir: str, out: str, checkpoint_dir: str) -> None:
+    from temper.learner import checkpoint, ranks
+
+    ranks.init(0, world, Path(store))
+    trainer = Trainer(model_dir, TrainerConfig(**CONFIG))
+    metrics = [trainer.step(random_batch(s, 16, vocab=25, completion=(4, 20))) for s in (1, 2)]
+    checkpoint.save(trainer, checkpoint_dir)
+    trainer.step(random_batch(3, 16, vocab=25, completion=(4, 20)))
+    checkpoint.load(trainer, checkpoint_dir)           # back to after step 2, on both ranks
+    metrics.append(trainer.step(random_batch(4, 16, vocab=25, completion=(4, 20))))
+    ranks.tell(("stop",))
+    torch.save({"metrics": metrics, "weights": {n: p.detach().clone() for n, p in trainer.model.named_parameters()}},
+               out)
+
+
+def _follower(world: int, store: str, model_dir: str, out: str) -> None:
+    from temper.learner import ranks
+
+    ranks.init(1, world, Path(store))
+    trainer = Trainer(model_dir, TrainerConfig(**CONFIG))
+    ranks.follow(trainer)
+    torch.save({n: p.detach().clone() for n, p in trainer.model.named_parameters()}, out)
+
+
+def test_two_ranks_apply_the_update_of_one(model_dir, tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    store, out0, out1 = str(tmp_path / "store"), str(tmp_path / "r0.pt"), str(tmp_path / "r1.pt")
+    procs = [ctx.Process(target=_rank0, args=(2, store, str(model_dir), out0, str(tmp_path / "ckpt"))),
+             ctx.Process(target=_follower, args=(2, store, str(model_dir), out1))]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    assert [p.exitcode for p in procs] == [0, 0]
+
+    one = Trainer(model_dir, TrainerConfig(**CONFIG))
+    expected = [one.step(random_batch(s, 16, vocab=25, completion=(4, 20))) for s in (1, 2, 4)]
+    got = torch.load(out0)
+    assert got["metrics"][0]["micro_batches"] > 2     # both ranks had micro-batches to train
+    for e, g in zip(expected, got["metrics"]):
+        for key in ("loss", "policy_loss", "grad_norm", "entropy", "clip_fraction"):
+            assert g[key] == pytest.approx(e[key], rel=1e-4, abs=1e-6), key
+    follower = torch.load(out1)
+    for n, p in one.model.named_parameters():
+        assert torch.allclose(got["weights"][n], p, atol=1e-5), n      # rank 0 = one rank
+        assert torch.equal(follower[n], got["weights"][n]), n           # every rank holds the same weights
+
+
+def test_a_critic_over_ranks_is_refused_naming_the_field():
+    from temper.learner.config import LearnerConfig
+
+    with pytest.raises(ValidationError, match="ranks"):
+        LearnerConfig(ranks=2, advantage="gae")
+    assert LearnerConfig(ranks=2, advantage="grpo").ranks == 2
+
+
+SERVICE = """
+[job]
+prompts_per_step = 4
+
+[model]
+preset = "tiny"
+dir = "{model_dir}"
+
+[learner]
+epochs = 1
+ranks = 2
+micro_batch_tokens = 64
+
+[replay]
+[inference]
+engine = "hf"
+"""
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def test_the_learner_service_trains_over_two_ranks(tmp_path):
+    from temper.client.sdk import InferenceClient, LearnerClient, ReplayClient
+    from temper.runtime.launcher import Launcher, pid_alive
+    from tests.conftest import wait_until
+    from tests.learner.test_service import make_groups
+
+    config = tmp_path / "temper.toml"
+    config.write_text(SERVICE.format(model_dir=tmp_path / "model"))
+    launcher = Launcher(home=tmp_path / "home", config=config)
+    state = launcher.up(["inference", "replay", "learner"])
+    pids = [p.pid for p in state.services.values()] + [state.broker.pid]
+    try:
+        addr = {n: p.address for n, p in state.services.items()}
+        learner_pid = state.services["learner"].pid
+        # the follower: the learner's child started by multiprocessing's spawn (not its resource tracker)
+        followers = [c for c in _children(learner_pid) if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        assert len(followers) == 1, _children(learner_pid)
+        pids += followers
+        inference, replay, learner = InferenceClient(addr["inference"]), ReplayClient(addr["replay"]), \
+            LearnerClient(addr["learner"])
+        replay.insert(make_groups(inference, 8, seed=1, job_id="ranks"))  # 2 steps of 4 groups
+        wait_until(lambda: learner.status().step >= 2, 120, what="2 learner steps over 2 ranks")
+        assert learner.status().policy_version == 2 and inference.policy_version() == 2
+        assert all(pid_alive(f) for f in followers)
+        # kill -9 of rank 0: its follower leaves by itself (it watches its parent), no rank left behind
+        os.kill(learner_pid, 9)
+        wait_until(lambda: not any(pid_alive(f) for f in followers), 30, what="the follower to exit")
+    finally:
+        launcher.down()
+    assert not [p for p in pids if pid_alive(p)], "processes left behind"
