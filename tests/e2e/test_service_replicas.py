@@ -1,12 +1,15 @@
-"""A real job over two reward and two sandbox replicas (`[reward] replicas = 2`, `[sandbox] replicas = 2`):
-real processes, broker, gVisor, gRPC, tiny model, code and toy domains.
+"""The local proof of scale-out: a real job over 2 inference replicas, 2 reward replicas, 2 sandbox replicas,
+2 replay shards and a learner of 2 ranks (`replicas = 2` in each table, `[learner] ranks = 2`): real
+processes, broker, gVisor, gRPC, tiny model, code and toy domains.
 
-The `rollouts` topic gets one partition per reward replica and the two share it in one consumer group; the
-reward replicas' code checks go round robin over both sandboxes. Counted by id from the topics and the
+The `rollouts` and `scored` topics get 2 partitions: the reward replicas share `rollouts` in one consumer
+group, each replay shard owns one partition of `scored`; the scheduler spreads generation over both
+inference replicas; the reward replicas' code checks go round robin over both sandboxes; the learner samples
+both shards as one table and trains each batch on two ranks. Counted by id from the topics and the
 learner's records: every group is generated once, scored (each by one replica, both replicas scoring),
-stored once and trained on exactly once. The tiny model writes no code blocks, so its code answers never
-reach a sandbox: code groups scored through the replicas' Score afterwards show both sandboxes running
-programs, right and wrong ones scored as such."""
+stored once (in one shard; both shards storing) and trained on exactly once. The tiny model writes no
+code blocks, so its code answers never reach a sandbox: code groups scored through the replicas' Score
+afterwards show both sandboxes running programs, right and wrong ones scored as such."""
 
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ seed = 0
 
 [inference]
 engine = "hf"
+replicas = 2
 
 [reward]
 replicas = 2
@@ -56,6 +60,11 @@ max_concurrency = 1
 [learner]
 lr = 0.001
 epochs = 1
+ranks = 2
+micro_batch_tokens = 64
+
+[replay]
+replicas = 2
 
 [replay.tables.default]
 sampler = "fifo"
@@ -81,10 +90,10 @@ def spans(home: Path, name: str, suffix: str) -> int:
     return sum(1 for line in path.read_text().splitlines() if line.strip() and json.loads(line)["name"].endswith(suffix))
 
 
-def test_a_job_over_two_reward_and_two_sandbox_replicas(stack):
+def test_a_job_over_two_replicas_of_every_service_and_two_learner_ranks(stack):
     launcher, state = stack
     rows = {r["name"]: r for r in launcher.status()}
-    for name in ("reward", "reward-1", "sandbox", "sandbox-1"):
+    for name in ("inference", "inference-1", "reward", "reward-1", "sandbox", "sandbox-1", "replay", "replay-1"):
         assert rows[name]["health"] == "SERVING", rows[name]
     reward_args = state.services["reward"].args
     sandbox_target = reward_args[reward_args.index("--sandbox-address") + 1]
@@ -103,7 +112,7 @@ def test_a_job_over_two_reward_and_two_sandbox_replicas(stack):
     consumer = KafkaConsumer(bootstrap_servers=bootstrap)
     partitions = consumer.partitions_for_topic(kafka.ROLLOUTS)
     consumer.close()
-    assert partitions == {0, 1}, partitions  # one per reward replica
+    assert partitions == {0, 1}, partitions  # one per reward replica (and per replay shard)
     rollouts = [g.group_id for g in read_topic(bootstrap, kafka.ROLLOUTS, common_pb2.RolloutGroup) if g.job_id == job]
     assert sorted(rollouts) == expected
     # every group scored; a redelivery after a rebalance may score one twice, replay keeps the first
@@ -127,13 +136,27 @@ def test_a_job_over_two_reward_and_two_sandbox_replicas(stack):
         return {n: spans(home, n, "SandboxService/RunTestsBatch") + spans(home, n, "SandboxService/RunTests")
                 for n in ("sandbox", "sandbox-1")}
     wait_until(lambda: all(v > 0 for v in executed().values()), timeout=10, what=f"both sandboxes used: {executed()}")
-    # stored once, trained on exactly once
-    with ReplayClient(state.services["replay"].address) as replay:
-        stats = replay.stats()
-    assert stats.inserts == len(expected), stats
+    # stored once: each group in the one shard that owns its partition of `scored`, both shards storing
+    inserts = {}
+    for name in ("replay", "replay-1"):
+        with ReplayClient(state.services[name].address) as replay:
+            stats = replay.stats()
+        assert stats.duplicates == 0, (name, stats)
+        inserts[name] = stats.inserts
+    assert sum(inserts.values()) == len(expected) and all(inserts.values()), inserts
+    shard_args = [state.services[n].args for n in ("replay", "replay-1")]
+    assert [a[a.index("--shard") + 1] for a in shard_args] == ["0/2", "1/2"]
+    # generation over both inference replicas; the learner's second rank is its child process
+    generated = {n: spans(home, n, "InferenceService/Generate") for n in ("inference", "inference-1")}
+    wait_until(lambda: all(spans(home, n, "InferenceService/Generate") for n in generated), timeout=10,
+               what="Generate spans of both inference replicas")
+    learner_pid = state.services["learner"].pid
+    children = [int(c) for t in Path(f"/proc/{learner_pid}/task").iterdir() for c in (t / "children").read_text().split()]
+    assert [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()], children
+    # trained on exactly once
     trained = Counter(gid for m in read_topic(bootstrap, kafka.METRICS, common_pb2.StepMetrics)
                       if m.job_id == job for gid in m.group_ids)
     assert sorted(trained) == expected and set(trained.values()) == {1}, trained
-    print(f"\nrollouts consumed per reward replica "
-          f"{consumed()}; sandbox calls per replica {executed()}; scored messages {sum(scored.values())} for "
-          f"{len(expected)} groups")
+    print(f"\nrollouts consumed per reward replica {consumed()}; sandbox calls per replica {executed()}; scored "
+          f"messages {sum(scored.values())} for {len(expected)} groups; stored per replay shard {inserts}; "
+          f"Generate calls per inference replica {generated}")

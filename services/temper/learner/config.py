@@ -18,7 +18,9 @@ class LearnerConfig(ServiceConfig, TrainerConfig):
 
     model_dir: str = model_dir(".temper/models/tiny", "folder of the HF causal LM to train (the launcher: the job's "
                                                       "[model])")
-    replay_address: str = address_of("replay", "127.0.0.1:50054", "host:port of the replay service")
+    replay_address: str = address_of("replay", "127.0.0.1:50054", "host:port of the replay service; several "
+                                     "(a:p,b:q or ipv4:a:p,b:q): replay shards, sampled as one table "
+                                     "(temper.client.shards)")
     inference_addresses: list[str] = address_of("inference", ["127.0.0.1:50051"],
                                                 "inference replicas that get the weights after each step: "
                                                 "host:port entries, or targets re-resolved before every push "

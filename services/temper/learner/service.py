@@ -6,6 +6,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from temper.client.discovery import Replicas
+from temper.client.shards import ShardedReplay, shard_addresses
 from temper.client.sdk import InferenceClient, ReplayClient
 from temper.learner.config import LearnerConfig
 from temper.learner.loop import LearnerLoop
@@ -34,7 +35,11 @@ class LearnerService(Service[LearnerConfig]):
             stack.callback(ranks.close)
         trainer = Trainer(config.model_dir, config.trainer_config())  # the slow part; the port is already bound
         # channels to dependencies that may still be loading: calls wait for their servers (see runtime.service)
-        replay = stack.enter_context(client(ReplayClient, config.replay_address))
+        shards = shard_addresses(config.replay_address)  # [replay] replicas = N: N shards, sampled as one table
+        if len(shards) > 1:
+            replay = ShardedReplay([stack.enter_context(client(ReplayClient, a)) for a in shards])
+        else:
+            replay = stack.enter_context(client(ReplayClient, config.replay_address))
         # every replica the targets name (fixed addresses, or dns:/// of a headless Service), re-resolved before
         # each push and each replica check, so a replica added later gets the policy
         try:

@@ -6,13 +6,19 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from temper.replay.tables import TableConfig
-from temper.runtime.config import ServiceConfig
+from temper.runtime.config import ServiceConfig, replica_shard
 
 
 class ReplayConfig(ServiceConfig):
     section = "replay"
 
     consumer_group: str = Field("temper-replay", description="Kafka consumer group of the `scored` stream")
+    replicas: int = Field(1, ge=1, le=64, description="replay shards the local launcher (`temper up`) starts: each "
+                          "owns the partitions p of `scored` with p % replicas == its index; the learner samples "
+                          "across all (temper.client.shards)")
+    shard: str = replica_shard("\"i/n\": this process is shard i of n and ingests only the partitions p of `scored` "
+                               "with p % n == i (their number must divide by n); \"\" = every partition, through "
+                               "the consumer group's balancing")
     # the default: one FIFO table whose groups are each sampled once (what the on-policy learner wants)
     tables: dict[str, TableConfig] = Field(default_factory=lambda: {"default": TableConfig()},
                                            description="[replay.tables.NAME]: sampler, remover, size, rate limiter")

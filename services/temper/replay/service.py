@@ -6,6 +6,10 @@ the `scored` topic go into every table named in ``ingest_tables``. The consumer 
 message's offset only after ``ReplayStore.insert`` returned, i.e. after the group is durable;
 while a table's rate limiter holds inserts back, the consumer waits (``ingest_block_ms`` per
 try, then the message is retried), so Kafka keeps the backlog.
+
+Shards (``[replay] replicas = N``; each process ``--shard i/N``): a shard owns the partitions p of `scored`
+with p % N == i (assigned, not balanced, so a group is stored by one shard only); readers sample the shards
+as one table with ``temper.client.shards.ShardedReplay``.
 """
 
 from __future__ import annotations
@@ -38,8 +42,12 @@ class ReplayService(Service[ReplayConfig]):
         self.consumer = None
         if config.ingest_tables:
             kafka.ensure_topics(config.kafka_bootstrap)
-            self.consumer = kafka.ProtoConsumer(config.kafka_bootstrap, kafka.SCORED, config.consumer_group,
-                                                common_pb2.RolloutGroup, self._ingest).start()
+            shard = tuple(int(x) for x in config.shard.split("/")) if config.shard else None
+            try:
+                self.consumer = kafka.ProtoConsumer(config.kafka_bootstrap, kafka.SCORED, config.consumer_group,
+                                                    common_pb2.RolloutGroup, self._ingest, shard=shard).start()
+            except ValueError as e:  # a shard count that does not divide the partitions
+                raise StartupError(str(e)) from e
             stack.callback(self.consumer.stop)
 
     def _ingest(self, group: common_pb2.RolloutGroup) -> None:

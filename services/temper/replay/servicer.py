@@ -116,7 +116,8 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
             table=s.table, size=s.size, inserts=s.inserts, samples=s.samples, duplicates=s.duplicates,
             domain_counts=s.domain_counts, current_policy_version=s.policy_version, removed=s.removed,
             bytes=s.bytes, policy_version_counts=s.policy_version_counts,
-            leases=s.leases, leased=s.leased, lease_outcomes=s.lease_outcomes,
+            leases=s.leases, leased=s.leased, lease_outcomes=s.lease_outcomes, total_weight=s.total_weight,
+            min_weight=s.min_weight,
             age_seconds=[replay_pb2.AgeBucket(upper_bound=b, count=n) for b, n in s.age_histogram],
             rate_limiter=replay_pb2.RateLimiterState(
                 samples_per_insert=lim.samples_per_insert, min_size_to_sample=lim.min_size_to_sample,

@@ -125,6 +125,8 @@ class TableStats:
     leases: int = 0                      # outstanding leases
     leased: int = 0                      # draws they hold (given out, neither final nor given back)
     lease_outcomes: dict[str, int] = field(default_factory=dict)  # acked | requeued | expired -> leases
+    total_weight: float = 0.0            # prioritized: sum of the live sampling weights (priority^α)
+    min_weight: float = 0.0              # prioritized: the smallest positive one
 
 
 @dataclass
@@ -342,4 +344,12 @@ class Table:
             age_histogram=list(zip(AGE_BUCKETS_S, [int(c) for c in counts])),
             policy_version_counts=dict(zip(versions.tolist(), vcounts.tolist())),
             limiter=replace(self.limiter), can_insert=self.limiter.can_insert(1), can_sample=self.not_ready(1) is None,
-            waiting_inserts=self.waiting_inserts, waiting_samples=self.waiting_samples, config=self.config)
+            waiting_inserts=self.waiting_inserts, waiting_samples=self.waiting_samples, config=self.config,
+            **self._weights())
+
+    def _weights(self) -> dict[str, float]:
+        if self.config.sampler != "prioritized" or self.items.n == 0:
+            return {}
+        w = self.items.weight[:self.items.n]
+        positive = w[w > 0]
+        return {"total_weight": float(w.sum()), "min_weight": float(positive.min()) if positive.size else 0.0}

@@ -145,6 +145,12 @@ def shared_dir(name: str, default: str, description: str):
     return Field(default, description=description, json_schema_extra={WIRING: {"shared_dir": name}})
 
 
+def replica_shard(description: str):
+    """``"i/n"``: which of the service's ``n`` replicas this process is (the launcher passes it to each replica
+    when ``n`` > 1); "" = the only one."""
+    return Field("", pattern=r"^(\d+/\d+)?$", description=description, json_schema_extra={WIRING: {"shard": True}})
+
+
 def wiring(cls: type[ServiceConfig]) -> dict[str, dict]:
     """``{field name: its wiring metadata}`` of the fields of ``cls`` that declare some."""
     out = {}

@@ -99,6 +99,22 @@ class ProtoProducer:
         self._producer.close()
 
 
+def shard_partitions(consumer: KafkaConsumer, topic: str, index: int, shards: int, timeout: float = 30.0) -> list[int]:
+    """The partitions of ``topic`` shard ``index`` of ``shards`` owns: p % shards == index."""
+    deadline = time.monotonic() + timeout
+    found = consumer.partitions_for_topic(topic)
+    while not found and time.monotonic() < deadline:
+        time.sleep(0.2)
+        found = consumer.partitions_for_topic(topic)
+    count = len(found or ())
+    if count == 0:
+        raise ValueError(f"shard: topic {topic!r} has no partitions")
+    if not 0 <= index < shards or count % shards:
+        raise ValueError(f"shard: {index}/{shards}: {shards} shards do not divide the {count} partitions of "
+                         f"{topic!r} (each shard must own the same number; create the topic with a multiple)")
+    return [p for p in sorted(found) if p % shards == index]
+
+
 class ProtoConsumer:
     """At-least-once consumption of one topic into a handler, on a thread of its own.
 
@@ -109,16 +125,28 @@ class ProtoConsumer:
     """
 
     def __init__(self, bootstrap: str, topic: str, group_id: str, message_type: type[M],
-                 handler: Callable[[M], None], retry_backoff: float = 1.0, max_poll_records: int = 64):
+                 handler: Callable[[M], None], retry_backoff: float = 1.0, max_poll_records: int = 64,
+                 shard: tuple[int, int] | None = None):
+        """``shard`` = (i, n): instead of joining the group's partition balancing, own the partitions p of
+        ``topic`` with p % n == i (offsets still committed under ``group_id``); the topic's partition count
+        must be a multiple of n (ValueError naming ``shard`` if not)."""
         self.topic = topic
         self._message_type = message_type
         self._handler = handler
         self._retry_backoff = retry_backoff
         self._max_poll_records = max_poll_records
         self._consumer = KafkaConsumer(
-            topic, bootstrap_servers=bootstrap, group_id=group_id, client_id=group_id,
+            *([] if shard else [topic]), bootstrap_servers=bootstrap, group_id=group_id, client_id=group_id,
             enable_auto_commit=False, auto_offset_reset="earliest",
             session_timeout_ms=6000, heartbeat_interval_ms=2000, fetch_max_wait_ms=50)
+        self.partitions: list[int] | None = None
+        if shard is not None:
+            try:
+                self.partitions = shard_partitions(self._consumer, topic, *shard)
+            except ValueError:
+                self._consumer.close(autocommit=False)
+                raise
+            self._consumer.assign([TopicPartition(topic, p) for p in self.partitions])
         self._dlq = ProtoProducer(bootstrap, client_id=f"{group_id}-dlq")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"consume-{topic}", daemon=True)

@@ -46,6 +46,7 @@ from __future__ import annotations
 import fcntl
 import importlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -287,8 +288,10 @@ class Launcher:
             state.broker = Proc("broker", proc.pid, f"127.0.0.1:{port}", str(logs / "broker.log"))
             self._save(state)
             from temper.runtime.kafka import ensure_topics
-            # one partition per reward replica: each member of the consumer group scores its share of `rollouts`
-            ensure_topics(state.kafka_bootstrap, partitions=len(replica_names("reward", cfg)))
+            # one partition per reward replica: each member of the consumer group scores its share of `rollouts`;
+            # a multiple of the replay shards, so that each owns as many partitions of `scored` as the others
+            ensure_topics(state.kafka_bootstrap, partitions=math.lcm(len(replica_names("reward", cfg)),
+                                                                     len(replica_names("replay", cfg))))
             shutil.rmtree(self.home / "data" / "shared", ignore_errors=True)  # a past stack's policy is not ours
             started = []
             for wave in waves(names):
@@ -364,6 +367,10 @@ class Launcher:
                 args += [flag, str(model_dir)]
             elif "from_job" in w and w["from_job"] in job:
                 args += [flag, str(job[w["from_job"]])]
+            elif w.get("shard"):
+                replicas = replica_names(service_of(name), cfg)
+                if len(replicas) > 1:
+                    args += [flag, f"{replicas.index(name)}/{len(replicas)}"]
         return args
 
     def _cpu_threads(self, service: str) -> int:
