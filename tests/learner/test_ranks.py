@@ -28,35 +28,38 @@ def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
 
 
-def _rank0(world: int, store: str, model_dir: str, out: str, checkpoint_dir: str) -> None:
+def _rank0(world: int, store: str, model_dir: str, out: str, checkpoint_dir: str, sharded: bool) -> None:
     from temper.learner import checkpoint, ranks
 
     ranks.init(0, world, Path(store))
-    trainer = Trainer(model_dir, TrainerConfig(**CONFIG))
+    trainer = Trainer(model_dir, TrainerConfig(**CONFIG, shard_parameters=sharded))
+    assert trainer.sharded == sharded
     metrics = [trainer.step(random_batch(s, 16, vocab=25, completion=(4, 20))) for s in (1, 2)]
     checkpoint.save(trainer, checkpoint_dir)
     trainer.step(random_batch(3, 16, vocab=25, completion=(4, 20)))
     checkpoint.load(trainer, checkpoint_dir)           # back to after step 2, on both ranks
     metrics.append(trainer.step(random_batch(4, 16, vocab=25, completion=(4, 20))))
     ranks.tell(("stop",))
-    torch.save({"metrics": metrics, "weights": {n: p.detach().clone() for n, p in trainer.model.named_parameters()}},
-               out)
+    torch.save({"metrics": metrics, "weights": {n: p.clone() for n, p in trainer.weights().items()}}, out)
 
 
-def _follower(world: int, store: str, model_dir: str, out: str) -> None:
+def _follower(world: int, store: str, model_dir: str, out: str, sharded: bool) -> None:
     from temper.learner import ranks
 
     ranks.init(1, world, Path(store))
-    trainer = Trainer(model_dir, TrainerConfig(**CONFIG))
+    trainer = Trainer(model_dir, TrainerConfig(**CONFIG, shard_parameters=sharded))
     ranks.follow(trainer)
-    torch.save({n: p.detach().clone() for n, p in trainer.model.named_parameters()}, out)
+    # sharded: this rank's half of each parameter (a DTensor's local shard); else the whole parameter
+    torch.save({n: (p.to_local() if sharded else p).detach().clone() for n, p in trainer.model.named_parameters()},
+               out)
 
 
-def test_two_ranks_apply_the_update_of_one(model_dir, tmp_path):
+@pytest.mark.parametrize("sharded", [True, False], ids=["fsdp", "replicated"])
+def test_two_ranks_apply_the_update_of_one(model_dir, tmp_path, sharded):
     ctx = multiprocessing.get_context("spawn")
     store, out0, out1 = str(tmp_path / "store"), str(tmp_path / "r0.pt"), str(tmp_path / "r1.pt")
-    procs = [ctx.Process(target=_rank0, args=(2, store, str(model_dir), out0, str(tmp_path / "ckpt"))),
-             ctx.Process(target=_follower, args=(2, store, str(model_dir), out1))]
+    procs = [ctx.Process(target=_rank0, args=(2, store, str(model_dir), out0, str(tmp_path / "ckpt"), sharded)),
+             ctx.Process(target=_follower, args=(2, store, str(model_dir), out1, sharded))]
     for p in procs:
         p.start()
     for p in procs:
@@ -64,7 +67,15 @@ def test_two_ranks_apply_the_update_of_one(model_dir, tmp_path):
     assert [p.exitcode for p in procs] == [0, 0]
 
     one = Trainer(model_dir, TrainerConfig(**CONFIG))
-    expected = [one.step(random_batch(s, 16, vocab=25, completion=(4, 20))) for s in (1, 2, 4)]
+    expected = [one.step(random_batch(s, 16, vocab=25, completion=(4, 20))) for s in (1, 2)]
+    # the checkpoint the two ranks wrote after step 2 resumes on one rank: same weights, moments, counters
+    from temper.learner import checkpoint
+    resumed = Trainer(model_dir, TrainerConfig(**CONFIG))
+    assert checkpoint.load(resumed, tmp_path / "ckpt")["step"] == 2
+    for n, p in one.model.named_parameters():
+        assert torch.allclose(dict(resumed.model.named_parameters())[n], p, atol=1e-5), n
+    assert resumed.step_count == 2
+    expected.append(one.step(random_batch(4, 16, vocab=25, completion=(4, 20))))
     got = torch.load(out0)
     assert got["metrics"][0]["micro_batches"] > 2     # both ranks had micro-batches to train
     for e, g in zip(expected, got["metrics"]):
@@ -73,7 +84,11 @@ def test_two_ranks_apply_the_update_of_one(model_dir, tmp_path):
     follower = torch.load(out1)
     for n, p in one.model.named_parameters():
         assert torch.allclose(got["weights"][n], p, atol=1e-5), n      # rank 0 = one rank
-        assert torch.equal(follower[n], got["weights"][n]), n           # every rank holds the same weights
+        if sharded:  # the follower holds the second half of dim 0 (FSDP2 shards dim 0 evenly, rank 0 first)
+            half = -(-p.shape[0] // 2)
+            assert torch.equal(follower[n], got["weights"][n][half:]), n
+        else:        # every rank holds the same weights
+            assert torch.equal(follower[n], got["weights"][n]), n
 
 
 def test_a_critic_over_ranks_is_refused_naming_the_field():

@@ -2,8 +2,8 @@
 that samples them as one table (temper.client.shards).
 
 - Ingest: 4 partitions, 2 shards (``--shard 0/2``, ``1/2``): each shard stores exactly the groups of its
-  partitions; together every group once, also across a kill -9 and restart of a shard. A shard count that does not divide the partitions stops the shard
-  at start-up naming ``shard``.
+  partitions; together every group once, also across a kill -9 and restart of a shard. A shard count that
+  does not divide the partitions stops the shard at start-up naming ``shard``.
 - Prioritized table over 2 shards: the importance weights the reader returns are one table's
   (``(w_min / w)^β`` over every shard's groups, checked against a third replay holding all of them), and
   2,000 draws follow the groups' priorities across shards.

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, load_model, save_file, save_model
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 
 from temper.runtime.errors import FailedPrecondition, InvalidArgument
 
@@ -38,26 +39,74 @@ STRUCTURAL = ("lora_rank", "lora_target_modules", "advantage")
 # (lr, betas, ...), keyed by parameter name rather than by position, so it is checked against the
 # model it is loaded into. Tensors go to safetensors, the rest (hyper-parameters) to JSON.
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+# a learner sharded over ranks (FSDP2) writes the same files: the whole state gathered on rank 0 (every rank
+# takes part), so a checkpoint resumes at any number of ranks, 1 included; loading, each rank keeps its shard
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+_FULL_FLAT = StateDictOptions(full_state_dict=True, cpu_offload=True, flatten_optimizer_state_dict=True)
 
 
-def _save_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, out: Path, stem: str) -> None:
-    flat = get_optimizer_state_dict(model, optimizer, options=_FLAT)
+def _save_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, out: Path | None, stem: str,
+                    sharded: bool = False) -> None:
+    flat = get_optimizer_state_dict(model, optimizer, options=_FULL_FLAT if sharded else _FLAT)
+    if out is None:  # a follower rank: it took part in the gathering, rank 0 writes
+        return
     save_file({k: v.contiguous() for k, v in flat.items() if isinstance(v, torch.Tensor)},
               str(out / f"{stem}.safetensors"))
     (out / f"{stem}.json").write_text(json.dumps({k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}))
 
 
-def _load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, src: Path, stem: str) -> None:
+def _load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, src: Path, stem: str,
+                    sharded: bool = False) -> None:
     flat: dict = json.loads((src / f"{stem}.json").read_text())
     for key, value in flat.items():
         if key.endswith(".betas"):  # JSON has no tuples; torch saves betas as one
             flat[key] = tuple(value)
     flat.update(load_file(str(src / f"{stem}.safetensors")))
-    set_optimizer_state_dict(model, optimizer, flat, options=_FLAT)
+    if sharded:  # torch reads a flat state back only unsharded: nested by parameter name, then sharded
+        set_optimizer_state_dict(model, optimizer, _nested(flat), options=_FULL)
+    else:
+        set_optimizer_state_dict(model, optimizer, flat, options=_FLAT)
+
+
+def _aliases(model: torch.nn.Module) -> set[str]:
+    """Names of tied parameters that safetensors' ``save_model`` leaves out (of each tied set it keeps the first
+    name in sorted order): a sharded save writes the file an unsharded one would."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {n for group in names.values() for n in sorted(group)[1:]}
+
+
+def _nested(flat: dict) -> dict:
+    """torch's flat optimizer state ("state.<name>.<key>", "param_groups.<name>.<key>") as its nested form keyed
+    by parameter name: {"state": {name: {key: value}}, "param_groups": [{key: value, "params": [names]}]}."""
+    state: dict[str, dict] = {}
+    per_param: dict[str, dict] = {}
+    for key, value in flat.items():
+        kind, _, rest = key.partition(".")
+        name, _, field = rest.rpartition(".")
+        (state if kind == "state" else per_param).setdefault(name, {})[field] = value
+    groups: list[dict] = []
+    for name, hyper in per_param.items():  # parameters with the same hyper-parameters share a group
+        for g in groups:
+            if {k: v for k, v in g.items() if k != "params"} == hyper:
+                g["params"].append(name)
+                break
+        else:
+            groups.append({**hyper, "params": [name]})
+    return {"state": state, "param_groups": groups}
 
 
 def save(trainer, directory: str | Path) -> Path:
-    """Write ``trainer``'s full state to ``directory`` (which must not exist yet, or be empty)."""
+    """Write ``trainer``'s full state to ``directory`` (which must not exist yet, or be empty). Sharded over
+    ranks: rank 0 asks the followers to take part, every rank gathers, rank 0 writes."""
+    if getattr(trainer, "sharded", False):
+        if trainer.rank == 0:
+            dist.broadcast_object_list([("save", str(directory))], src=0)
+        model_state = get_model_state_dict(trainer.model, options=_FULL)
+        if trainer.rank != 0:
+            _save_optimizer(trainer.model, trainer.optimizer, None, "optimizer", sharded=True)
+            return Path(directory)
     final = Path(directory)
     if final.exists() and any(final.iterdir()):
         raise InvalidArgument(f"{final} exists and is not empty", field="path")
@@ -65,8 +114,13 @@ def save(trainer, directory: str | Path) -> Path:
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_model(trainer.model, str(tmp / "model.safetensors"))
-    _save_optimizer(trainer.model, trainer.optimizer, tmp, "optimizer")
+    if getattr(trainer, "sharded", False):
+        save_file({k: v.contiguous() for k, v in model_state.items() if k not in _aliases(trainer.model)},
+                  str(tmp / "model.safetensors"))
+        _save_optimizer(trainer.model, trainer.optimizer, tmp, "optimizer", sharded=True)
+    else:
+        save_model(trainer.model, str(tmp / "model.safetensors"))
+        _save_optimizer(trainer.model, trainer.optimizer, tmp, "optimizer")
     if trainer.critic is not None:
         save_model(trainer.critic, str(tmp / "critic.safetensors"))
         _save_optimizer(trainer.critic, trainer.critic_optimizer, tmp, "critic_optimizer")
@@ -97,8 +151,12 @@ def load(trainer, directory: str | Path) -> dict:
         saved, now = meta["config"].get(key), getattr(trainer.config, key)
         if saved != now:
             raise FailedPrecondition(f"checkpoint was made with {key}={saved!r}, this learner has {now!r}", field=key)
-    load_model(trainer.model, str(src / "model.safetensors"), strict=True)
-    _load_optimizer(trainer.model, trainer.optimizer, src, "optimizer")
+    if getattr(trainer, "sharded", False):  # every rank reads the whole state and keeps its shard
+        set_model_state_dict(trainer.model, load_file(str(src / "model.safetensors")), options=_FULL)
+        _load_optimizer(trainer.model, trainer.optimizer, src, "optimizer", sharded=True)
+    else:
+        load_model(trainer.model, str(src / "model.safetensors"), strict=True)
+        _load_optimizer(trainer.model, trainer.optimizer, src, "optimizer")
     if trainer.critic is not None:
         load_model(trainer.critic, str(src / "critic.safetensors"), strict=True)
         _load_optimizer(trainer.critic, trainer.critic_optimizer, src, "critic_optimizer")
@@ -109,6 +167,8 @@ def load(trainer, directory: str | Path) -> dict:
     trainer.lr.load_state_dict(meta["lr_controller"])
     trainer.kl.load_state_dict(meta["kl_controller"])
     trainer.data_position = meta["data_position"]
+    if getattr(trainer, "sharded", False):
+        trainer._gather_weights()  # rank 0 pushes the restored weights
     return meta
 
 

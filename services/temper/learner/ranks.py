@@ -39,7 +39,8 @@ def init(rank: int, world: int, store: Path, backend: str = "gloo") -> None:
 
 
 def tell(message: tuple) -> None:
-    """Rank 0: send ``message`` to every follower (("step", batch) | ("load", folder) | ("stop",))."""
+    """Rank 0: send ``message`` to every follower (("step", batch) | ("load", folder) | ("save", folder) |
+    ("stop",))."""
     dist.broadcast_object_list([message], src=0)
 
 
@@ -65,6 +66,8 @@ def follow(trainer) -> None:
                 trainer.step(message[1])
             elif message[0] == "load":
                 checkpoint.load(trainer, message[1])
+            elif message[0] == "save":  # sharded: every rank takes part in gathering the state
+                checkpoint.save(trainer, message[1])
         except Exception as e:  # noqa: BLE001 -- rank 0 got the same error from the same batch and reports it
             _log.info("follower step refused", rank=trainer.rank, error=str(e))
 

@@ -47,6 +47,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from temper.learner import algos, logprobs
@@ -56,7 +57,7 @@ from temper.learner.batching import Batch, ModelInputs, batch_from_groups, micro
 from temper.learner.schedules import KLController, LRController
 from temper.learner.steps import StepTokens
 from temper.models.dtypes import cpu_has_native_bf16
-from temper.runtime.errors import InvalidArgument
+from temper.runtime.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,9 @@ class TrainerConfig(BaseModel):
     tis_cap: float = Field(2.0, ge=1, description="cap of the truncated importance weights")
     # LoRA (PEFT); 0: full fine-tuning
     lora_rank: int = Field(0, ge=0, description="> 0: LoRA adapters (PEFT) of this rank; 0: full fine-tuning")
+    shard_parameters: bool = Field(True, description="over several ranks ([learner] ranks > 1): parameters, gradients "
+                                   "and optimizer state sharded over the ranks (FSDP2: each decoder layer and the rest "
+                                   "one unit); false: every rank holds them whole and the gradients are all-reduced")
     lora_alpha: float = Field(16.0, gt=0, description="LoRA alpha")
     lora_dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout")
     lora_target_modules: list[str] = Field(["q_proj", "k_proj", "v_proj", "o_proj"],
@@ -274,6 +278,40 @@ def _with_lora(model, config: TrainerConfig):
                                             ensure_weight_tying=bool(config.lora_modules_to_save)))
 
 
+class _PolicyForward(torch.nn.Module):
+    """The policy's token log-probs as one module call: sharded (FSDP2), this module is the root unit, so its
+    hooks gather the parameters outside the decoder layers (embeddings, final norm, LM head) for the forward
+    and reduce-scatter their gradients after the backward, although the LM head is applied in chunks by
+    ``temper.learner.logprobs`` rather than called."""
+
+    def __init__(self, model, chunk_tokens: int, softcap):
+        super().__init__()
+        self.model, self.chunk_tokens, self.softcap = model, chunk_tokens, softcap
+
+    def forward(self, mb: ModelInputs, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.model.get_decoder()(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                                          position_ids=mb.position_ids, use_cache=False).last_hidden_state
+        return logprobs.token_logprobs(self.model.get_output_embeddings(), hidden[mb.rows, mb.cols], mb.targets,
+                                       mb.temperatures, self.chunk_tokens, self.softcap, entropy_grad)
+
+
+def _shard(model, chunk_tokens: int) -> _PolicyForward:
+    """FSDP2 over the default process group: each decoder layer one unit, the rest (under the forward module)
+    the root unit."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.get_decoder().layers:
+        fully_shard(layer)
+    root = _PolicyForward(model, chunk_tokens, getattr(model.config, "final_logit_softcapping", None))
+    fully_shard(root)
+    return root
+
+
+def _local(t):
+    """A DTensor's full value (a collective: every rank calls it), else the tensor."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 class Trainer:
     def __init__(self, model_dir: str | Path, config: TrainerConfig):
         torch.manual_seed(config.seed)
@@ -303,6 +341,23 @@ class Trainer:
         if self.lora:
             self.model = _with_lora(self.model, config)
         self.model.train()
+        # data parallelism over the ranks of torch.distributed's default group (temper.learner.ranks): rank r runs
+        # micro-batches r, r + W, ... of each step and the gradients are summed over the ranks before clipping,
+        # so every rank applies the update one rank would. Sharded (FSDP2): each rank keeps 1/W of every
+        # parameter, gradient and optimizer moment, the layers gathered for their forward and backward
+        self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.rank = dist.get_rank() if self.world > 1 else 0
+        self.sharded = self.world > 1 and config.shard_parameters
+        self._full_weights: dict[str, torch.Tensor] | None = None  # sharded: the gathered weights (rank 0)
+        self._forward = None
+        if self.world > 1:
+            if self.sharded and self.lora:
+                raise InvalidArgument("LoRA adapters are not sharded over ranks: shard_parameters = false with "
+                                      "lora_rank > 0", field="shard_parameters")
+            for t in self.model.state_dict().values():  # the same starting weights everywhere
+                dist.broadcast(t, 0)
+            if self.sharded:
+                self._forward = _shard(self.model, config.logprob_chunk_tokens)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
         self.lr = LRController(config.lr, config.lr_schedule, config.warmup_steps, config.total_steps,
@@ -334,17 +389,10 @@ class Trainer:
         # groups with a longer sequence are dropped before training (temper.learner.batching.screen_groups)
         self.max_sequence_tokens = config.max_sequence_tokens or self.context_length or 0
         self.softcap = getattr(lm_config, "final_logit_softcapping", None)
-        # data parallelism over the ranks of torch.distributed's default group (temper.learner.ranks): every
-        # rank holds the whole model; rank r runs micro-batches r, r + W, ... of each step, the gradients are
-        # summed over the ranks before clipping, so every rank applies the same update as one rank would
-        self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        self.rank = dist.get_rank() if self.world > 1 else 0
         if self.world > 1 and self.critic is not None:
             raise InvalidArgument(f"advantage {config.advantage!r} trains a critic; a learner over {self.world} "
                                   "ranks trains critic-free estimators only (grpo, rloo, ...)", field="ranks")
-        if self.world > 1:  # the same starting weights everywhere, whatever each rank loaded
-            for t in self.model.state_dict().values():
-                dist.broadcast(t, 0)
+        self._gather_weights()
         self._set_lr()
 
     # -- forward passes ----------------------------------------------------------------------
@@ -356,6 +404,9 @@ class Trainer:
     def _logprobs(self, model, mb: ModelInputs, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(log p of each completion token [t], entropy of each predicting distribution [t]), fp32, on the device."""
         mb = mb.to(self.device)
+        if model is self.model and self._forward is not None:  # through the FSDP root: its hooks gather the rest
+            with self._autocast():
+                return self._forward(mb, entropy_grad)
         with self._autocast():
             hidden = model.get_decoder()(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
                                          position_ids=mb.position_ids, use_cache=False).last_hidden_state
@@ -457,12 +508,19 @@ class Trainer:
         lr = self._set_lr()
         pre_update: dict[int, torch.Tensor] = {}  # epoch 0's logprobs: the weights before this step
         metrics: dict[str, float] = {}
-        mine = [(i, mb) for i, mb in enumerate(mbs) if i % self.world == self.rank]  # this rank's micro-batches
+        mine: list[tuple[int | None, ModelInputs]] = [(i, mb) for i, mb in enumerate(mbs) if i % self.world == self.rank]
+        if self.sharded:  # every rank the same number of forward/backward passes (their collectives pair up)
+            smallest = min(mbs, key=lambda m: m.real_tokens)
+            mine += [(None, smallest)] * (-(-len(mbs) // self.world) - len(mine))
+        scale = float(self.world) if self.sharded else 1.0  # FSDP averages the gradients over the ranks: a sum
         for epoch in range(cfg.epochs):
             self.optimizer.zero_grad(set_to_none=True)
             sums: dict[str, float] = {}
             bad = ""
             for i, mb in mine:
+                if i is None:  # no micro-batch left for this rank: a pass that adds nothing, for the collectives
+                    self._logprobs(self.model, mb)[0].sum().mul(0.0).backward()
+                    continue
                 share = mb.lengths.sum().item() / n_tokens
                 logprobs, entropy = self._logprobs(self.model, mb, entropy_grad=cfg.entropy_coef > 0)
                 old = old_all[mb.tokens]
@@ -497,8 +555,9 @@ class Trainer:
                     loss = loss - cfg.entropy_coef * a(entropy)
                 if not torch.isfinite(loss):
                     bad = "non-finite loss"
-                    break
-                loss.backward()
+                    if not self.sharded:
+                        break
+                (loss * scale).backward()
                 with torch.no_grad():
                     info["entropy"] = entropy.detach().mean().item()
                     info["approx_kl"] = (old - logprobs.detach()).mean().item()
@@ -512,7 +571,7 @@ class Trainer:
                 bad, sums = self._reduce_ranks(bad, sums)
             if bad:
                 raise self._skip(bad)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
+            grad_norm = _local(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
             if not torch.isfinite(grad_norm):
                 raise self._skip("non-finite gradient")
             self.optimizer.step()
@@ -529,8 +588,9 @@ class Trainer:
         metrics["zero_signal_groups"] = float((signals["mean_abs_advantage"] == 0).sum())
         if cfg.lr_kl_target > 0:  # how far this step moved the policy: KL(pi_before || pi_after), k3
             with torch.no_grad():
-                kl_sum = torch.tensor([sum(algos.kl_k3(pre_update[i], self._logprobs(self.model, mb)[0]).sum().item()
-                                           for i, mb in mine)], dtype=torch.float64)
+                after = [(i, self._logprobs(self.model, mb)[0]) for i, mb in mine]  # dummies too: collectives
+                kl_sum = torch.tensor([sum(algos.kl_k3(pre_update[i], lp).sum().item() for i, lp in after
+                                           if i is not None)], dtype=torch.float64)
             if self.world > 1:
                 dist.all_reduce(kl_sum)
             metrics["update_kl"] = kl_sum.item() / n_tokens
@@ -539,6 +599,7 @@ class Trainer:
             self.kl.update(metrics.get("kl_ref", 0.0), n_seqs)
         self.step_count += 1
         self.policy_version += 1
+        self._gather_weights()
         self._advance_data_position(batch, n_tokens)
         seconds = time.perf_counter() - t0
         real = sum(mb.real_tokens for mb in mbs)
@@ -565,18 +626,19 @@ class Trainer:
         return metrics
 
     def _reduce_ranks(self, bad: str, sums: dict[str, float]) -> tuple[str, dict[str, float]]:
-        """Sum the gradients and the metric sums over the ranks (one flat buffer); a rank's non-finite loss
-        skips the step on every rank."""
-        for p in self.params:
+        """Sum the gradients (unsharded: one flat buffer; sharded, FSDP reduce-scattered them already) and the
+        metric sums over the ranks; a rank's non-finite loss skips the step on every rank."""
+        for p in (() if self.sharded else self.params):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in self.params])
-        dist.all_reduce(flat)
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-            offset += n
+        if not self.sharded:
+            flat = torch.cat([p.grad.reshape(-1) for p in self.params])
+            dist.all_reduce(flat)
+            offset = 0
+            for p in self.params:
+                n = p.numel()
+                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+                offset += n
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, (bad, sums))
         total: dict[str, float] = {}
@@ -620,8 +682,20 @@ class Trainer:
         """``weights()`` cast to the inference engine's dtype (``push_dtype``), ready to chunk."""
         return {n: t.to(self.push_dtype) for n, t in self.weights().items()}
 
+    def _gather_weights(self) -> None:
+        """Sharded: the whole weights, gathered on every rank (a collective) and kept by rank 0 for pushes and
+        exports until the next step."""
+        if not self.sharded:
+            return
+        full = {n: _local(p.detach()) for n, p in self.model.named_parameters()}
+        self._full_weights = full if self.rank == 0 else None
+
     def weights(self) -> dict[str, torch.Tensor]:
         """The policy's tensors under the base model's names (LoRA adapters merged in)."""
+        if self.sharded:
+            if self._full_weights is None:
+                raise FailedPrecondition("the weights of a sharded learner are gathered on rank 0 only", field="rank")
+            return self._full_weights
         if not self.lora:
             return {n: p.detach() for n, p in self.model.named_parameters()}
         merged = {}
