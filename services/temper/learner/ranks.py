@@ -3,16 +3,21 @@
 ``[learner] ranks = N`` (N > 1): the learner service is rank 0 (replay, gRPC, pushes, checkpoints, metrics:
 everything that talks to other services) and starts N - 1 follower processes on its host. All N join one
 gloo group (CUDA: nccl) through a ``FileStore`` in the learner's data folder -- no port is picked or bound
-for the rendezvous, so nothing can take it first. Every rank holds the whole model; rank 0 sends each step's
-batch (after its screening) to the followers, rank r trains micro-batches r, r + N, ... of it, and the
-gradients are summed over the ranks before clipping and the AdamW step (``Trainer._reduce_ranks``), so every
-rank applies the update one rank would (checked against one rank to float tolerance in
-tests/learner/test_ranks.py). A checkpoint restore on rank 0 is repeated by the followers from the same
-folder.
+for the rendezvous, so nothing can take it first. Rank 0 sends each step's batch (after its screening) to
+the followers, rank r trains micro-batches r, r + N, ... of it, and the gradients are summed over the ranks
+before clipping and the AdamW step, so every rank applies the update one rank would (checked against one
+rank to float tolerance in tests/learner/test_ranks.py). With ``shard_parameters`` (the default) the
+parameters, gradients and AdamW moments are sharded over the ranks with FSDP2 (each decoder layer one unit,
+the rest the root), every rank runs the same number of passes, and the weights are gathered to rank 0 after
+each step for the push; otherwise every rank holds the whole model and the gradients are all-reduced.
+Checkpoints: rank 0 asks the followers to take part ("save"), the whole state is gathered and rank 0 writes
+the unsharded files, so a checkpoint resumes at any number of ranks, one included; a restore ("load") is
+repeated by every rank, each keeping its shard.
 
 A follower ends when rank 0 says stop, and also when rank 0's process is gone (it watches its parent),
-so a learner killed with -9 leaves no rank behind. Not done: parameters and optimizer state sharded across
-ranks (FSDP2) and sharded checkpoints; ranks on other hosts (torchrun); a critic (GAE) over ranks.
+so a learner killed with -9 leaves no rank behind. Not done: checkpoints written as shards (each rank its
+part; the gathered file is the size of the model); ranks on other hosts (torchrun); a critic (GAE) or LoRA
+over sharded ranks.
 """
 
 from __future__ import annotations
