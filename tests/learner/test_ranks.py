@@ -91,12 +91,15 @@ def test_two_ranks_apply_the_update_of_one(model_dir, tmp_path, sharded):
             assert torch.equal(follower[n], got["weights"][n]), n
 
 
-def test_a_critic_over_ranks_is_refused_naming_the_field():
+def test_a_critic_or_sharded_lora_over_ranks_is_refused_naming_the_field():
     from temper.learner.config import LearnerConfig
 
     with pytest.raises(ValidationError, match="ranks"):
         LearnerConfig(ranks=2, advantage="gae")
     assert LearnerConfig(ranks=2, advantage="grpo").ranks == 2
+    with pytest.raises(ValidationError, match="shard_parameters"):
+        LearnerConfig(ranks=2, lora_rank=4)
+    assert not LearnerConfig(ranks=2, lora_rank=4, shard_parameters=False).shard_parameters
 
 
 SERVICE = """

@@ -63,6 +63,9 @@ class LearnerConfig(ServiceConfig, TrainerConfig):
         if self.ranks > 1 and self.advantage in NEEDS_CRITIC:
             raise ValueError(f"ranks: {self.ranks} ranks train critic-free estimators only; advantage "
                              f"{self.advantage!r} trains a critic (use ranks = 1, or grpo, rloo, ...)")
+        if self.ranks > 1 and self.shard_parameters and self.lora_rank > 0:
+            raise ValueError("shard_parameters: LoRA adapters are not sharded over ranks; with lora_rank > 0 and "
+                             "ranks > 1 set shard_parameters = false")
         return self
 
     def trainer_config(self) -> TrainerConfig:
