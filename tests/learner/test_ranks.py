@@ -28,7 +28,7 @@ def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
 
 
-def _rank0(world: int, store: str, model_dir: str, out: str, checkpoint_dir: str, sharded: bool) -> None:
+def _rank0(world: int, store: str, model_dir: str, out: str, checkpoint_dir: str, sharded: bool, whole: str) -> None:
     from temper.learner import checkpoint, ranks
 
     ranks.init(0, world, Path(store))
@@ -39,8 +39,12 @@ def _rank0(world: int, store: str, model_dir: str, out: str, checkpoint_dir: str
     trainer.step(random_batch(3, 16, vocab=25, completion=(4, 20)))
     checkpoint.load(trainer, checkpoint_dir)           # back to after step 2, on both ranks
     metrics.append(trainer.step(random_batch(4, 16, vocab=25, completion=(4, 20))))
+    weights = {n: p.clone() for n, p in trainer.weights().items()}
+    checkpoint.load(trainer, whole)                    # one rank's checkpoint after step 2: the same step again
+    metrics.append(trainer.step(random_batch(4, 16, vocab=25, completion=(4, 20))))
     ranks.tell(("stop",))
-    torch.save({"metrics": metrics, "weights": {n: p.clone() for n, p in trainer.weights().items()}}, out)
+    final = {n: p.clone() for n, p in trainer.weights().items()}
+    torch.save({"metrics": metrics, "weights": weights, "final": final}, out)
 
 
 def _follower(world: int, store: str, model_dir: str, out: str, sharded: bool) -> None:
@@ -56,9 +60,15 @@ def _follower(world: int, store: str, model_dir: str, out: str, sharded: bool) -
 
 @pytest.mark.parametrize("sharded", [True, False], ids=["fsdp", "replicated"])
 def test_two_ranks_apply_the_update_of_one(model_dir, tmp_path, sharded):
+    from temper.learner import checkpoint
+
+    one = Trainer(model_dir, TrainerConfig(**CONFIG))
+    expected = [one.step(random_batch(s, 16, vocab=25, completion=(4, 20))) for s in (1, 2)]
+    checkpoint.save(one, tmp_path / "whole")           # a one-rank checkpoint, restored by the two ranks below
     ctx = multiprocessing.get_context("spawn")
     store, out0, out1 = str(tmp_path / "store"), str(tmp_path / "r0.pt"), str(tmp_path / "r1.pt")
-    procs = [ctx.Process(target=_rank0, args=(2, store, str(model_dir), out0, str(tmp_path / "ckpt"), sharded)),
+    procs = [ctx.Process(target=_rank0, args=(2, store, str(model_dir), out0, str(tmp_path / "ckpt"), sharded,
+                                              str(tmp_path / "whole"))),
              ctx.Process(target=_follower, args=(2, store, str(model_dir), out1, sharded))]
     for p in procs:
         p.start()
@@ -66,10 +76,10 @@ def test_two_ranks_apply_the_update_of_one(model_dir, tmp_path, sharded):
         p.join(timeout=300)
     assert [p.exitcode for p in procs] == [0, 0]
 
-    one = Trainer(model_dir, TrainerConfig(**CONFIG))
-    expected = [one.step(random_batch(s, 16, vocab=25, completion=(4, 20))) for s in (1, 2)]
     # the checkpoint the two ranks wrote after step 2 resumes on one rank: same weights, moments, counters
-    from temper.learner import checkpoint
+    if sharded:  # each rank wrote its own shards
+        assert sorted(p.name for p in (tmp_path / "ckpt" / "shards").glob("*.distcp")) == ["__0_0.distcp",
+                                                                                           "__1_0.distcp"]
     resumed = Trainer(model_dir, TrainerConfig(**CONFIG))
     assert checkpoint.load(resumed, tmp_path / "ckpt")["step"] == 2
     for n, p in one.model.named_parameters():
@@ -78,17 +88,19 @@ def test_two_ranks_apply_the_update_of_one(model_dir, tmp_path, sharded):
     expected.append(one.step(random_batch(4, 16, vocab=25, completion=(4, 20))))
     got = torch.load(out0)
     assert got["metrics"][0]["micro_batches"] > 2     # both ranks had micro-batches to train
+    expected.append(expected[2])                      # the step after restoring the one-rank checkpoint
     for e, g in zip(expected, got["metrics"]):
         for key in ("loss", "policy_loss", "grad_norm", "entropy", "clip_fraction"):
             assert g[key] == pytest.approx(e[key], rel=1e-4, abs=1e-6), key
     follower = torch.load(out1)
     for n, p in one.model.named_parameters():
         assert torch.allclose(got["weights"][n], p, atol=1e-5), n      # rank 0 = one rank
+        assert torch.allclose(got["final"][n], p, atol=1e-5), n        # the one-rank checkpoint's step too
         if sharded:  # the follower holds the second half of dim 0 (FSDP2 shards dim 0 evenly, rank 0 first)
             half = -(-p.shape[0] // 2)
-            assert torch.equal(follower[n], got["weights"][n][half:]), n
+            assert torch.equal(follower[n], got["final"][n][half:]), n
         else:        # every rank holds the same weights
-            assert torch.equal(follower[n], got["weights"][n]), n
+            assert torch.equal(follower[n], got["final"][n]), n
 
 
 def test_a_critic_or_sharded_lora_over_ranks_is_refused_naming_the_field():

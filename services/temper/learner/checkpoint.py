@@ -3,6 +3,9 @@
 A checkpoint directory holds:
   model.safetensors             policy parameters (LoRA adapters included)
   optimizer.safetensors/.json   AdamW state tensors / hyper-parameters, flattened by torch (keyed by parameter name)
+  shards/                       instead of the two above, from a learner sharded over ranks (FSDP2): each rank's
+                                shards of parameters and moments (torch.distributed.checkpoint), read back at any
+                                number of ranks, one included (each rank reads what it keeps)
   critic*.safetensors/.json     the critic and its optimiser (GAE only)
   rng.safetensors               torch's CPU RNG state
   trainer.json                  step, policy version, skipped steps, LR and KL controller state,
@@ -22,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
@@ -39,17 +43,12 @@ STRUCTURAL = ("lora_rank", "lora_target_modules", "advantage")
 # (lr, betas, ...), keyed by parameter name rather than by position, so it is checked against the
 # model it is loaded into. Tensors go to safetensors, the rest (hyper-parameters) to JSON.
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-# a learner sharded over ranks (FSDP2) writes the same files: the whole state gathered on rank 0 (every rank
-# takes part), so a checkpoint resumes at any number of ranks, 1 included; loading, each rank keeps its shard
+# a sharded learner (FSDP2) restoring a whole checkpoint: every rank reads the whole state and keeps its shard
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-_FULL_FLAT = StateDictOptions(full_state_dict=True, cpu_offload=True, flatten_optimizer_state_dict=True)
 
 
-def _save_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, out: Path | None, stem: str,
-                    sharded: bool = False) -> None:
-    flat = get_optimizer_state_dict(model, optimizer, options=_FULL_FLAT if sharded else _FLAT)
-    if out is None:  # a follower rank: it took part in the gathering, rank 0 writes
-        return
+def _save_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, out: Path, stem: str) -> None:
+    flat = get_optimizer_state_dict(model, optimizer, options=_FLAT)
     save_file({k: v.contiguous() for k, v in flat.items() if isinstance(v, torch.Tensor)},
               str(out / f"{stem}.safetensors"))
     (out / f"{stem}.json").write_text(json.dumps({k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}))
@@ -66,15 +65,6 @@ def _load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sr
         set_optimizer_state_dict(model, optimizer, _nested(flat), options=_FULL)
     else:
         set_optimizer_state_dict(model, optimizer, flat, options=_FLAT)
-
-
-def _aliases(model: torch.nn.Module) -> set[str]:
-    """Names of tied parameters that safetensors' ``save_model`` leaves out (of each tied set it keeps the first
-    name in sorted order): a sharded save writes the file an unsharded one would."""
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return {n for group in names.values() for n in sorted(group)[1:]}
 
 
 def _nested(flat: dict) -> dict:
@@ -97,27 +87,33 @@ def _nested(flat: dict) -> dict:
     return {"state": state, "param_groups": groups}
 
 
+def _sharded_state(trainer) -> dict:
+    """The model's and optimizer's state as torch.distributed.checkpoint reads and writes it (sharded ranks:
+    each rank's shards; one rank: whole tensors)."""
+    return {"model": get_model_state_dict(trainer.model),
+            "optimizer": get_optimizer_state_dict(trainer.model, trainer.optimizer)}
+
+
 def save(trainer, directory: str | Path) -> Path:
     """Write ``trainer``'s full state to ``directory`` (which must not exist yet, or be empty). Sharded over
-    ranks: rank 0 asks the followers to take part, every rank gathers, rank 0 writes."""
-    if getattr(trainer, "sharded", False):
+    ranks: rank 0 asks the followers to take part and every rank writes its own shards of the parameters and
+    optimizer moments (``shards/``, torch.distributed.checkpoint); rank 0 writes the rest."""
+    final = Path(directory)
+    sharded = getattr(trainer, "sharded", False)
+    # sharded: one temporary folder every rank can name (the followers write into it before rank 0 renames it)
+    tmp = final.parent / f".{final.name}.tmp-{'shards' if sharded else os.getpid()}"
+    if trainer.rank == 0 if sharded else True:
+        if final.exists() and any(final.iterdir()):
+            raise InvalidArgument(f"{final} exists and is not empty", field="path")
+        final.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    if sharded:
         if trainer.rank == 0:
             dist.broadcast_object_list([("save", str(directory))], src=0)
-        model_state = get_model_state_dict(trainer.model, options=_FULL)
+        dcp.save(_sharded_state(trainer), storage_writer=dcp.FileSystemWriter(str(tmp / "shards")))
         if trainer.rank != 0:
-            _save_optimizer(trainer.model, trainer.optimizer, None, "optimizer", sharded=True)
-            return Path(directory)
-    final = Path(directory)
-    if final.exists() and any(final.iterdir()):
-        raise InvalidArgument(f"{final} exists and is not empty", field="path")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    if getattr(trainer, "sharded", False):
-        save_file({k: v.contiguous() for k, v in model_state.items() if k not in _aliases(trainer.model)},
-                  str(tmp / "model.safetensors"))
-        _save_optimizer(trainer.model, trainer.optimizer, tmp, "optimizer", sharded=True)
+            return final
     else:
         save_model(trainer.model, str(tmp / "model.safetensors"))
         _save_optimizer(trainer.model, trainer.optimizer, tmp, "optimizer")
@@ -151,7 +147,13 @@ def load(trainer, directory: str | Path) -> dict:
         saved, now = meta["config"].get(key), getattr(trainer.config, key)
         if saved != now:
             raise FailedPrecondition(f"checkpoint was made with {key}={saved!r}, this learner has {now!r}", field=key)
-    if getattr(trainer, "sharded", False):  # every rank reads the whole state and keeps its shard
+    if (src / "shards").is_dir():  # written by sharded ranks: each rank reads what it keeps, at any world size
+        state = _sharded_state(trainer)
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(src / "shards")),
+                 no_dist=not (dist.is_available() and dist.is_initialized()))  # one process: no group needed
+        set_model_state_dict(trainer.model, state["model"])
+        set_optimizer_state_dict(trainer.model, trainer.optimizer, state["optimizer"])
+    elif getattr(trainer, "sharded", False):  # a whole checkpoint: every rank reads it and keeps its shard
         set_model_state_dict(trainer.model, load_file(str(src / "model.safetensors")), options=_FULL)
         _load_optimizer(trainer.model, trainer.optimizer, src, "optimizer", sharded=True)
     else:

@@ -10,14 +10,13 @@ rank to float tolerance in tests/learner/test_ranks.py). With ``shard_parameters
 parameters, gradients and AdamW moments are sharded over the ranks with FSDP2 (each decoder layer one unit,
 the rest the root), every rank runs the same number of passes, and the weights are gathered to rank 0 after
 each step for the push; otherwise every rank holds the whole model and the gradients are all-reduced.
-Checkpoints: rank 0 asks the followers to take part ("save"), the whole state is gathered and rank 0 writes
-the unsharded files, so a checkpoint resumes at any number of ranks, one included; a restore ("load") is
-repeated by every rank, each keeping its shard.
+Checkpoints: rank 0 asks the followers to take part ("save") and every rank writes its own shards of the
+parameters and moments (torch.distributed.checkpoint, ``shards/``); they are read back at any number of
+ranks, one included, each rank reading what it keeps; a restore ("load") is repeated by every rank.
 
 A follower ends when rank 0 says stop, and also when rank 0's process is gone (it watches its parent),
-so a learner killed with -9 leaves no rank behind. Not done: checkpoints written as shards (each rank its
-part; the gathered file is the size of the model); ranks on other hosts (torchrun); a critic (GAE) or LoRA
-over sharded ranks.
+so a learner killed with -9 leaves no rank behind. Not done: ranks on other hosts (torchrun; the FileStore
+and the checkpoint folder are the host's); a critic (GAE) or LoRA over sharded ranks.
 """
 
 from __future__ import annotations
