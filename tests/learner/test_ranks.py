@@ -86,6 +86,11 @@ def test_two_ranks_apply_the_update_of_one(model_dir, tmp_path, sharded):
         assert torch.allclose(dict(resumed.model.named_parameters())[n], p, atol=1e-5), n
     assert resumed.step_count == 2
     expected.append(one.step(random_batch(4, 16, vocab=25, completion=(4, 20))))
+    # ... and the moments: its next step is the one-rank step
+    again = resumed.step(random_batch(4, 16, vocab=25, completion=(4, 20)))
+    assert again["grad_norm"] == pytest.approx(expected[2]["grad_norm"], rel=1e-4)
+    for n, p in one.model.named_parameters():
+        assert torch.allclose(dict(resumed.model.named_parameters())[n], p, atol=1e-5), n
     got = torch.load(out0)
     assert got["metrics"][0]["micro_batches"] > 2     # both ranks had micro-batches to train
     expected.append(expected[2])                      # the step after restoring the one-rank checkpoint

@@ -102,7 +102,7 @@ def save(trainer, directory: str | Path) -> Path:
     sharded = getattr(trainer, "sharded", False)
     # sharded: one temporary folder every rank can name (the followers write into it before rank 0 renames it)
     tmp = final.parent / f".{final.name}.tmp-{'shards' if sharded else os.getpid()}"
-    if trainer.rank == 0 if sharded else True:
+    if not sharded or trainer.rank == 0:
         if final.exists() and any(final.iterdir()):
             raise InvalidArgument(f"{final} exists and is not empty", field="path")
         final.parent.mkdir(parents=True, exist_ok=True)

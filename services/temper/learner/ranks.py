@@ -43,8 +43,8 @@ def init(rank: int, world: int, store: Path, backend: str = "gloo") -> None:
 
 
 def tell(message: tuple) -> None:
-    """Rank 0: send ``message`` to every follower (("step", batch) | ("load", folder) | ("save", folder) |
-    ("stop",))."""
+    """Rank 0: send ``message`` to every follower (("step", batch, policy version) | ("load", folder) |
+    ("save", folder) | ("stop",))."""
     dist.broadcast_object_list([message], src=0)
 
 
@@ -67,6 +67,7 @@ def follow(trainer) -> None:
             return
         try:
             if message[0] == "step":
+                trainer.policy_version = message[2]
                 trainer.step(message[1])
             elif message[0] == "load":
                 checkpoint.load(trainer, message[1])

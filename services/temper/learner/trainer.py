@@ -467,8 +467,9 @@ class Trainer:
         t0 = time.perf_counter()
         cfg = self.config
         dev = self.device
-        if self.world > 1 and self.rank == 0:  # the followers train the same batch (temper.learner.ranks)
-            dist.broadcast_object_list([("step", batch)], src=0)
+        if self.world > 1 and self.rank == 0:  # the followers train the same batch (temper.learner.ranks), from
+            # the same policy version (the service may have bumped rank 0's): the same stale groups drop everywhere
+            dist.broadcast_object_list([("step", batch, self.policy_version)], src=0)
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         batch.validate(self.vocab_size, self.context_length)
