@@ -42,12 +42,8 @@ def test_shards_ingest_their_own_partitions_and_the_reader_gets_each_group_once(
     shards = [spawn_service("replay", tmp_path / f"s{i}", "--kafka-bootstrap", broker, "--shard", f"{i}/2")
               for i in range(2)]
     try:
-        producer = kafka.ProtoProducer(broker, client_id="test")
         ids = [f"g{i:02d}" for i in range(40)]
-        for gid in ids:
-            producer.send(kafka.SCORED, gid, scored_group(gid))
-        producer.flush()
-        producer.close()
+        _publish(broker, ids)
         clients = [s.client(ReplayClient) for s in shards]
         wait_until(lambda: sum(c.stats().size for c in clients) == 40, 60, what="40 groups in the two shards")
         sizes = [c.stats().size for c in clients]
@@ -55,12 +51,8 @@ def test_shards_ingest_their_own_partitions_and_the_reader_gets_each_group_once(
         # kill -9 of shard 1, 20 more groups, shard 1 back on its data: it takes up its own partitions where
         # its committed offsets left them -- nothing acknowledged lost, nothing stored twice, shard 0 untouched
         shards[1].kill()
-        producer = kafka.ProtoProducer(broker, client_id="test")
         more = [f"h{i:02d}" for i in range(20)]
-        for gid in more:
-            producer.send(kafka.SCORED, gid, scored_group(gid))
-        producer.flush()
-        producer.close()
+        _publish(broker, more)
         shards[1] = spawn_service("replay", tmp_path / "s1", "--kafka-bootstrap", broker, "--shard", "1/2")  # same data
         clients[1] = shards[1].client(ReplayClient)
         wait_until(lambda: sum(c.stats().size for c in clients) == 60, 60, what="60 groups in the two shards")
@@ -136,6 +128,15 @@ def test_a_leased_batch_across_shards_goes_back_whole_on_requeue(tmp_path):
     finally:
         for p in procs:
             p.stop()
+
+
+def _publish(broker: str, group_ids: list[str]) -> None:
+    """Each group id as a scored group on `scored`, keyed by its id (as reward publishes them)."""
+    producer = kafka.ProtoProducer(broker, client_id="test")
+    for gid in group_ids:
+        producer.send(kafka.SCORED, gid, scored_group(gid))
+    producer.flush()
+    producer.close()
 
 
 def _fifo(tmp_path):

@@ -40,9 +40,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-STAGES = ("generate", "score", "store", "train")
-
-
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -201,10 +198,9 @@ def predict(costs: Costs, w: Workload, a: Allocation, steps: int = 200) -> Predi
             "train": (t.train + t.push) / step}
     bottleneck = max(busy, key=busy.get)
     # the fewest CPU-side replicas whose stage still takes no longer than the step: more only sit idle
-    enough = {"reward_replicas": math.ceil(t.detail["reward"] * a.reward_replicas / step - 1e-9),
+    enough = {"reward_replicas": max(1, math.ceil(t.detail["reward"] * a.reward_replicas / step - 1e-9)),
               "sandbox_slots": math.ceil(t.detail["sandbox"] * a.sandbox_slots / step - 1e-9),
               "replay_shards": max(1, math.ceil(t.store * a.replay_shards / step - 1e-9))}
-    enough["reward_replicas"] = max(1, enough["reward_replicas"])
     return Prediction(step_seconds=step, bottleneck=bottleneck, busy=busy, stages=t, allocation=a,
                       samples_per_second=w.samples / step, train_tokens_per_second=w.train_tokens / step,
                       enough=enough)
@@ -222,12 +218,11 @@ def plan(costs: Costs, w: Workload, cluster: Cluster, steps: int = 60) -> Predic
         if cluster.gpus < per + 1:
             raise ValueError(f"gpus: {cluster.gpus} cannot hold one inference replica ({per} GPUs) and a learner rank")
         splits = [(r, cluster.gpus - r * per) for r in range(1, (cluster.gpus - 1) // per + 1)]
-    groups = w.prompts_per_step
-    reward_work = groups * costs.reward_group_seconds
-    sandbox_work = groups * w.code_fraction * w.group_size * w.executions_per_sample * costs.sandbox_seconds
+    one = stage_times(costs, w, Allocation()).detail  # a step's reward and sandbox work on one replica / slot
+    reward_work, sandbox_work = one["reward"], one["sandbox"]
     cores = cluster.cpu_cores
     if sandbox_work > 0:
-        ideal = round(cores * sandbox_work / (sandbox_work + reward_work)) if reward_work + sandbox_work else 1
+        ideal = round(cores * sandbox_work / (sandbox_work + reward_work))
         candidates = sorted({min(cores - 1, max(1, s)) for s in (ideal - 2, ideal - 1, ideal, ideal + 1, ideal + 2)})
     else:
         candidates = [0]

@@ -30,6 +30,7 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
+from temper.learner.ranks import tell
 from temper.runtime.errors import FailedPrecondition, InvalidArgument
 
 FORMAT = 2  # 2: optimizer state keyed by parameter name (torch's flattening); 1 is not read
@@ -110,7 +111,7 @@ def save(trainer, directory: str | Path) -> Path:
         tmp.mkdir()
     if sharded:
         if trainer.rank == 0:
-            dist.broadcast_object_list([("save", str(directory))], src=0)
+            tell(("save", str(directory)))
         dcp.save(_sharded_state(trainer), storage_writer=dcp.FileSystemWriter(str(tmp / "shards")))
         if trainer.rank != 0:
             return final
@@ -136,7 +137,7 @@ def load(trainer, directory: str | Path) -> dict:
     """Restore ``trainer`` from ``directory``; returns the checkpoint's trainer.json."""
     src = Path(directory)
     if getattr(trainer, "world", 1) > 1 and trainer.rank == 0:  # the followers restore the same folder
-        dist.broadcast_object_list([("load", str(src))], src=0)
+        tell(("load", str(src)))
     meta_path = src / "trainer.json"
     if not meta_path.exists():
         raise FailedPrecondition(f"{src} is not a checkpoint (no trainer.json)", field="path")

@@ -98,7 +98,6 @@ class Ranks:
     """Rank 0's side: start the followers and join the group (before the Trainer is built)."""
 
     def __init__(self, world: int, data_dir: str | Path, model_dir: str, trainer_config: dict):
-        self.world = world
         folder = Path(data_dir)
         folder.mkdir(parents=True, exist_ok=True)
         store = folder / f"ranks-{os.getpid()}.store"

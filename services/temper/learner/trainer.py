@@ -54,6 +54,7 @@ from temper.learner import algos, logprobs
 from temper.learner.algos import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, NEEDS_CRITIC, NEEDS_STEPS, POLICY_LOSSES,
                                   Aggregation)
 from temper.learner.batching import Batch, ModelInputs, batch_from_groups, micro_batches
+from temper.learner.ranks import tell
 from temper.learner.schedules import KLController, LRController
 from temper.learner.steps import StepTokens
 from temper.models.dtypes import cpu_has_native_bf16
@@ -469,7 +470,7 @@ class Trainer:
         dev = self.device
         if self.world > 1 and self.rank == 0:  # the followers train the same batch (temper.learner.ranks), from
             # the same policy version (the service may have bumped rank 0's): the same stale groups drop everywhere
-            dist.broadcast_object_list([("step", batch, self.policy_version)], src=0)
+            tell(("step", batch, self.policy_version))
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         batch.validate(self.vocab_size, self.context_length)
@@ -629,10 +630,10 @@ class Trainer:
     def _reduce_ranks(self, bad: str, sums: dict[str, float]) -> tuple[str, dict[str, float]]:
         """Sum the gradients (unsharded: one flat buffer; sharded, FSDP reduce-scattered them already) and the
         metric sums over the ranks; a rank's non-finite loss skips the step on every rank."""
-        for p in (() if self.sharded else self.params):
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
         if not self.sharded:
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
             flat = torch.cat([p.grad.reshape(-1) for p in self.params])
             dist.all_reduce(flat)
             offset = 0

@@ -139,14 +139,13 @@ class ProtoConsumer:
             *([] if shard else [topic]), bootstrap_servers=bootstrap, group_id=group_id, client_id=group_id,
             enable_auto_commit=False, auto_offset_reset="earliest",
             session_timeout_ms=6000, heartbeat_interval_ms=2000, fetch_max_wait_ms=50)
-        self.partitions: list[int] | None = None
         if shard is not None:
             try:
-                self.partitions = shard_partitions(self._consumer, topic, *shard)
+                partitions = shard_partitions(self._consumer, topic, *shard)
             except ValueError:
                 self._consumer.close(autocommit=False)
                 raise
-            self._consumer.assign([TopicPartition(topic, p) for p in self.partitions])
+            self._consumer.assign([TopicPartition(topic, p) for p in partitions])
         self._dlq = ProtoProducer(bootstrap, client_id=f"{group_id}-dlq")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"consume-{topic}", daemon=True)
