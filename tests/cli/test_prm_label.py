@@ -46,23 +46,32 @@ def _temper(home, *args):
 
 def write_export(path, n: int) -> dict[str, str]:
     """``n`` exported toy.copy trajectories of 3 steps (words), half with the right first word; their ids -> kind."""
-    rng = random.Random(0)
-    kinds = {}
+    groups, kinds = scored_groups(n)
     with open(path, "w") as f:
-        for i in range(n):
-            task = make_task("toy.copy", rng, f"t{i}")
-            right = i % 2 == 0
-            first = task.reference_answer if right else str((int(task.reference_answer) + 1) % 10)
-            ok = common_pb2.Reward(total=float(right), status=common_pb2.REWARD_STATUS_OK, components=[
-                common_pb2.RewardComponent(name="exact_answer", value=float(right), weight=1.0,
-                                           status=common_pb2.REWARD_STATUS_OK)])
-            group = common_pb2.RolloutGroup(group_id=f"job-x/s0/p{i}", job_id="job-x", task=task, trajectories=[
-                common_pb2.Trajectory(trajectory_id=f"job-x/s0/p{i}/0", completion_text=f"{first} 7 2",
-                                      policy_version=2, finish_reason="length", reward=ok)])
+        for group in groups:
             for rec in records_from_group(group):
                 f.write(json.dumps(rec) + "\n")
-            kinds[f"job-x/s0/p{i}/0"] = "right" if right else "wrong"
     return kinds
+
+
+def scored_groups(n: int, jobs: tuple[str, ...] = ("job-x",)) -> tuple[list, dict[str, str]]:
+    """``n`` scored toy.copy groups of one trajectory of 3 steps (words), half with the right first word, of
+    the ``jobs`` in turn; and their trajectory ids -> kind."""
+    rng = random.Random(0)
+    kinds, groups = {}, []
+    for i in range(n):
+        task = make_task("toy.copy", rng, f"t{i}")
+        right = i % 2 == 0
+        first = task.reference_answer if right else str((int(task.reference_answer) + 1) % 10)
+        ok = common_pb2.Reward(total=float(right), status=common_pb2.REWARD_STATUS_OK, components=[
+            common_pb2.RewardComponent(name="exact_answer", value=float(right), weight=1.0,
+                                       status=common_pb2.REWARD_STATUS_OK)])
+        job = jobs[i % len(jobs)]
+        groups.append(common_pb2.RolloutGroup(group_id=f"{job}/s0/p{i}", job_id=job, task=task, trajectories=[
+            common_pb2.Trajectory(trajectory_id=f"{job}/s0/p{i}/0", completion_text=f"{first} 7 2",
+                                  policy_version=2, finish_reason="length", reward=ok)]))
+        kinds[f"{job}/s0/p{i}/0"] = "right" if right else "wrong"
+    return groups, kinds
 
 
 @pytest.mark.slow  # runs the `temper` command, which starts a broker, inference and reward
@@ -77,6 +86,7 @@ def test_labels_through_the_real_services(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert summary["labelled"] == 3 and summary["rollouts"] == 18 <= summary["budget"] == 20
+    assert 18 <= summary["rollout_tokens"] <= 18 * 3  # max_tokens 3 each (EOS may end one at its first)
     assert summary["skipped"]["over_budget"] == 3 and summary["via"] == "services started for this command"
     assert summary["settings"] == {"k": 3, "budget": 20, "label": "soft", "threshold": 1.0, "min_steps": 2,
                                    "max_steps": 64, "delimiter": {"toy.copy": " "}}  # the [reward.domains.toy] split
@@ -106,7 +116,9 @@ def test_bad_options_are_refused_before_anything_starts(tmp_path, capsys):
                         (["--from", str(export), "--k", "0"], "--k"),
                         (["--from", str(export), "--delimiter", "\\n"], "--delimiter"),  # no completion has one
                         (["--from", str(tmp_path / "missing.jsonl")], "--from"),
-                        (["--from", str(legacy)], "--from")]:
+                        (["--from", str(legacy)], "--from"),
+                        (["--from", "scored"], "--from scored: no running stack"),  # nothing up in --home
+                        (["--from", str(export), "--from-job", "job-x"], "--from-job")]:
         rc = main(["--home", str(tmp_path / "home"), "--config", str(config), "prm", "label", *args,
                    "--out", str(tmp_path / "o" / "labels.jsonl")])
         err = capsys.readouterr().err
@@ -211,5 +223,35 @@ def test_grow_registers_the_prm_with_the_running_reward_service(tmp_path):
             prm = component(reward.score(group).trajectories[0], "prm")
             assert prm.status == common_pb2.REWARD_STATUS_OK and prm.detail == "3 steps, min" and 0 <= prm.value <= 1
         assert launcher.load().services["reward"].pid == state.services["reward"].pid
+    finally:
+        launcher.down()
+
+
+@pytest.mark.slow  # a running stack (broker, inference, reward); the job's groups on its scored topic
+def test_labels_the_running_stacks_scored_topic(tmp_path):
+    from temper.runtime import kafka
+    from temper.runtime.launcher import Launcher
+
+    config = tmp_path / "job.toml"
+    config.write_text(CONFIG + "[job.step_labels]\nk = 2\nbudget = 64\n")
+    home = tmp_path / "home"
+    groups, kinds = scored_groups(6, jobs=("job-x", "job-x", "job-y"))  # two jobs' groups on the topic
+    launcher = Launcher(home=home, config=config)
+    state = launcher.up(["inference", "reward"], timeout=300)
+    try:
+        producer = kafka.ProtoProducer(state.kafka_bootstrap, "test-scheduler")
+        for group in groups:
+            producer.send(kafka.SCORED, group.group_id, group).get(30)
+        producer.close()
+        out = tmp_path / "labels.jsonl"
+        r = _temper(home, "--config", str(config), "prm", "label", "--from", "scored", "--from-job", "job-x",
+                    "--out", str(out))
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        summary = json.loads(r.stdout.strip().splitlines()[-1])
+        assert summary["labelled"] == 4 and summary["via"] == f"the stack in {home}"  # job-x's four, not job-y's
+        assert (tmp_path / "labels.export.jsonl").exists()
+        for rec in (json.loads(line) for line in out.read_text().splitlines()):
+            assert rec["job_id"] == "job-x"
+            assert rec["soft_labels"] == ([1.0] * 3 if kinds[rec["trajectory_id"]] == "right" else [0.0] * 3)
     finally:
         launcher.down()

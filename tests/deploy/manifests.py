@@ -27,7 +27,7 @@ from referencing import Registry, Resource
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
-OVERLAYS = ("cpu", "gpu", "mtls")
+OVERLAYS = ("cpu", "gpu", "mtls", "scale")
 # the Kubernetes versions every manifest is validated against (strict: unknown fields are errors)
 K8S_VERSIONS = ("1.30.0", "1.32.0")
 # custom resources without a bundled schema: checked structurally by check_strimzi instead
@@ -40,6 +40,9 @@ CONFIG_CLASSES = {"inference": "InferenceConfig", "sandbox": "SandboxConfig", "r
                   "replay": "ReplayConfig", "learner": "LearnerConfig", "scheduler": "SchedulerConfig",
                   "monitor": "MonitorConfig"}
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "Job")
+# the label the StatefulSet controller puts on each pod (Kubernetes >= 1.28), and the downward-API path to it
+POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+POD_INDEX_FIELD = f"metadata.labels['{POD_INDEX_LABEL}']"
 HEALTH_PROBE = ["python", "-m", "temper.client.health"]  # the probe that can present a client certificate
 # the keys of a kubernetes.io/tls Secret as cert-manager writes it (Kubernetes' contract, not Temper's)
 TLS_SECRET_KEYS = {"ca.crt", "tls.crt", "tls.key"}
@@ -126,7 +129,7 @@ def check_strimzi(objs: list[dict], report: Report) -> None:
     clusters = {o["metadata"]["name"] for o in objs if o["kind"] == "Kafka"}
     brokers = {}
     for o in objs:
-        if o["kind"] not in ("KafkaNodePool", "KafkaTopic"):
+        if o["kind"] not in ("KafkaNodePool", "KafkaTopic", "KafkaUser"):
             continue
         cluster = o["metadata"].get("labels", {}).get("strimzi.io/cluster")
         if cluster not in clusters:
@@ -172,6 +175,8 @@ def container_env(container: dict, objs: list[dict]) -> dict[str, str]:
         elif "configMapKeyRef" in e.get("valueFrom", {}):
             r = e["valueFrom"]["configMapKeyRef"]
             env[e["name"]] = maps.get(r["name"], {}).get(r["key"], "")
+        elif e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == POD_INDEX_FIELD:
+            env[e["name"]] = "0"  # a StatefulSet's pod index: checked as pod 0 sees it
     return env
 
 
@@ -326,11 +331,24 @@ def check_topology(objs: list[dict], parsed: dict, report: Report) -> None:
     def labels_match(selector: dict, labels: dict) -> bool:
         return all(labels.get(k) == v for k, v in selector.items())
 
+    def pod_labels(o: dict, tpl: dict) -> list[dict]:
+        """The labels of the workload's pods: a StatefulSet's each get their index (POD_INDEX_LABEL)."""
+        labels = tpl["metadata"].get("labels", {})
+        if o["kind"] != "StatefulSet":
+            return [labels]
+        return [{**labels, POD_INDEX_LABEL: str(i)} for i in range(int(o["spec"].get("replicas", 1)))]
+
     for s in services.values():
-        if not any(labels_match(s["spec"].get("selector", {}), t["metadata"].get("labels", {})) for _, t in pods):
+        if not any(labels_match(s["spec"].get("selector", {}), labels) for o, t in pods for labels in pod_labels(o, t)):
             report.add(s, "spec.selector", "selects no pod template")
 
     def address(owner: str, path: str, addr: str) -> None:
+        from temper.client.shards import shard_addresses
+
+        if len(shard_addresses(addr)) > 1:  # several (replay shards): each checked
+            for one in shard_addresses(addr):
+                address(owner, path, one)
+            return
         target = addr.removeprefix("dns:///")
         host, _, port = target.rpartition(":")
         parts = host.split(".")
@@ -341,9 +359,15 @@ def check_topology(objs: list[dict], parsed: dict, report: Report) -> None:
         elif int(port) not in [p["port"] for p in svc["spec"]["ports"]]:
             report.add(owner, path, f"{addr}: Service {name} has no port {port}")
         if len(parts) > 1 and parts[0] != name:  # pod-N.headless: the StatefulSet must use that Service
-            sts = by.get(("StatefulSet", parts[0].rsplit("-", 1)[0]))
+            set_name, _, index = parts[0].rpartition("-")
+            sts = by.get(("StatefulSet", set_name))
             if sts is None or sts["spec"]["serviceName"] != name:
                 report.add(owner, path, f"{addr}: {parts[0]} is not a pod of a StatefulSet served by {name}")
+            elif not index.isdigit() or int(index) >= int(sts["spec"].get("replicas", 1)):
+                report.add(owner, path, f"{addr}: StatefulSet {set_name} has {sts['spec'].get('replicas', 1)} "
+                                        f"replicas: no pod {parts[0]}")
+            elif svc is not None and svc["spec"].get("clusterIP") != "None":
+                report.add(owner, path, f"{addr}: Service {name} is not headless: its pods have no names")
 
     if "reward" in parsed:
         address("temper.toml [reward]", "sandbox_address", parsed["reward"].sandbox_address)
@@ -390,6 +414,7 @@ def check_topology(objs: list[dict], parsed: dict, report: Report) -> None:
         mount = next((m for m in c.get("volumeMounts", []) if m["mountPath"] == data_dir), None)
         if mount is None or mount["name"] not in claims:
             report.add(sts, "spec.volumeClaimTemplates", f"--data-dir {data_dir} is not on a volume claim")
+    check_scale(objs, parsed, report)
     classes = {o["metadata"]["name"] for o in objs if o["kind"] == "RuntimeClass"}
     used = {tpl["spec"].get("runtimeClassName") for _, tpl in pods} - {None}
     if classes - used:
@@ -408,6 +433,77 @@ def check_topology(objs: list[dict], parsed: dict, report: Report) -> None:
             denied |= set(expr.get("values", []))
     for app in sorted(a for a in apps if a.startswith("temper-") and a not in denied):
         report.add("NetworkPolicy/default-deny", "spec.podSelector", f"does not cover app={app}")
+
+
+# -- scaled out: replay shards, the learner over hosts ---------------------------------------
+def check_scale(objs: list[dict], parsed: dict, report: Report) -> None:
+    """Replay shards and learner ranks as the code needs them: a replay StatefulSet of N pods runs
+    ``--shard $(POD_INDEX)/N``, N divides the partitions of `scored`, the learner samples every shard; a
+    learner StatefulSet of several pods runs torchrun with a node per pod (static rendezvous on pod 0, by a
+    headless Service that publishes pods before they are ready), one rank per GPU, the `learner` Service
+    sends calls to pod 0 only, and every pod mounts one ReadWriteMany checkpoint folder."""
+    by = {(o["kind"], o["metadata"]["name"]): o for o in objs}
+    replay = by.get(("StatefulSet", "replay"))
+    if replay is not None:
+        n = int(replay["spec"].get("replicas", 1))
+        c = replay["spec"]["template"]["spec"]["containers"][0]
+        shard = flag(c.get("args", []), "--shard")
+        index = next((e["name"] for e in c.get("env", [])
+                      if e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == POD_INDEX_FIELD), None)
+        if n > 1 and shard != f"$({index})/{n}":
+            report.add(replay, "containers[replay].args", f"{n} replicas need --shard $(<pod index variable>)/{n} "
+                                                          f"(got {shard!r}): each shard owns its partitions")
+        topic = by.get(("KafkaTopic", "scored"))
+        if n > 1 and topic is not None and topic["spec"].get("partitions", 0) % n:
+            report.add(topic, "spec.partitions", f"{topic['spec']['partitions']} partitions: not divisible by the "
+                                                 f"{n} replay shards")
+        if n > 1 and "learner" in parsed:
+            from temper.client.shards import shard_addresses
+
+            hosts = {a.rpartition(":")[0] for a in shard_addresses(parsed["learner"].replay_address)}
+            wanted = {f"replay-{i}.{replay['spec']['serviceName']}" for i in range(n)}
+            if hosts != wanted:
+                report.add("temper.toml [learner]", "replay_address", f"samples {sorted(hosts)}, but the {n} "
+                                                                      f"replay shards are {sorted(wanted)}")
+    learner = by.get(("StatefulSet", "learner"))
+    if learner is None or int(learner["spec"].get("replicas", 1)) < 2:
+        return
+    n = int(learner["spec"]["replicas"])
+    pod = learner["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    command = c.get("command", [])
+    where = "containers[learner].command"
+    if command[:3] != ["python", "-m", "torch.distributed.run"] or command[-2:] != ["-m", "temper.learner"]:
+        report.add(learner, where, f"{n} replicas: one torchrun node each (python -m torch.distributed.run ... "
+                                   "-m temper.learner), not independent learners")
+        return
+    headless = by.get(("Service", learner["spec"]["serviceName"]), {}).get("spec", {})
+    if flag(command, "--nnodes") != str(n):
+        report.add(learner, where, f"--nnodes {flag(command, '--nnodes')} but {n} replicas")
+    if flag(command, "--rdzv-backend") != "static" or not re.fullmatch(r"\$\(\w+\)", flag(command, "--node-rank") or ""):
+        report.add(learner, where, "--rdzv-backend static with --node-rank $(<pod index>): rank 0, the service, "
+                                   "must be on pod 0, the one the learner Service calls")
+    if flag(command, "--master-addr") != f"learner-0.{learner['spec']['serviceName']}":
+        report.add(learner, where, f"--master-addr must be learner-0.{learner['spec']['serviceName']}")
+    if headless.get("clusterIP") != "None" or headless.get("publishNotReadyAddresses") is not True:
+        report.add(learner, "spec.serviceName", "must be a headless Service with publishNotReadyAddresses: true "
+                                                "(the ranks meet before any is ready)")
+    gpus = c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
+    if gpus is not None and flag(command, "--nproc-per-node") != str(gpus):
+        report.add(learner, where, f"--nproc-per-node {flag(command, '--nproc-per-node')} but {gpus} GPUs per pod")
+    selector = by.get(("Service", "learner"), {}).get("spec", {}).get("selector", {})
+    if selector.get(POD_INDEX_LABEL) != "0":
+        report.add("Service/learner", "spec.selector", f"{n} learner pods: calls must go to pod 0 (rank 0) only "
+                                                       f"({POD_INDEX_LABEL}: \"0\")")
+    folder = parsed["learner"].checkpoint_dir if "learner" in parsed else ""
+    mount = next((m for m in c.get("volumeMounts", []) if folder and m["mountPath"] == folder), None)
+    claim = next((v["persistentVolumeClaim"]["claimName"] for v in pod.get("volumes", [])
+                  if mount and v["name"] == mount["name"] and "persistentVolumeClaim" in v), None)
+    pvc = by.get(("PersistentVolumeClaim", claim), {}).get("spec", {})
+    if "ReadWriteMany" not in pvc.get("accessModes", []):
+        report.add(learner, "containers[learner].volumeMounts", f"checkpoint_dir {folder!r} must be on one "
+                                                                "ReadWriteMany claim every pod mounts (every rank "
+                                                                "writes its shards of a checkpoint there)")
 
 
 # -- mTLS -------------------------------------------------------------------------------------
@@ -444,13 +540,9 @@ def check_mtls(objs: list[dict], report: Report) -> dict[str, str]:
             if folder is None:
                 report.add(obj, f"{where}.env", "no TEMPER_TLS_DIR: this service would serve and call in plaintext")
                 continue
-            mount = next((m for m in c.get("volumeMounts", []) if m["mountPath"] == folder), None)
-            secret = volumes.get(mount["name"], {}).get("secret") if mount else None
+            mount, secret = _mounted(obj, c, volumes, folder, "TEMPER_TLS_DIR", "secret", report)
             if secret is None:
-                report.add(obj, f"{where}.volumeMounts", f"TEMPER_TLS_DIR={folder} is not a mounted Secret")
                 continue
-            if not mount.get("readOnly"):
-                report.add(obj, f"{where}.volumeMounts[{mount['name']}].readOnly", "must be true")
             if secret["secretName"] != f"temper-{name}-tls":
                 report.add(obj, f"volumes[{mount['name']}].secret.secretName",
                            f"{secret['secretName']}: each service mounts its own Secret temper-{name}-tls")
@@ -485,7 +577,84 @@ def check_mtls(objs: list[dict], report: Report) -> dict[str, str]:
                 if spec.get("timeoutSeconds", 1) <= wait:
                     report.add(obj, f"{where}.{probe}.timeoutSeconds", f"{spec.get('timeoutSeconds', 1)}s: the check "
                                                                       f"itself waits up to {wait}s (and starts Python)")
+    check_kafka_tls(objs, report)
     return secrets
+
+
+def _mounted(obj: dict, c: dict, volumes: dict, folder: str, variable: str, kind: str,
+             report: Report) -> tuple[dict | None, dict | None]:
+    """(mount, volume source) of the ``kind`` volume (secret | projected) mounted at ``folder``, which must be
+    read-only; (None, None), reported, when there is none."""
+    where = f"containers[{c['name']}]"
+    mount = next((m for m in c.get("volumeMounts", []) if m["mountPath"] == folder), None)
+    source = volumes.get(mount["name"], {}).get(kind) if mount else None
+    if source is None:
+        report.add(obj, f"{where}.volumeMounts", f"{variable}={folder} is not a mounted "
+                                                 f"{'Secret' if kind == 'secret' else 'projected volume'}")
+        return None, None
+    if not mount.get("readOnly"):
+        report.add(obj, f"{where}.volumeMounts[{mount['name']}].readOnly", "must be true")
+    return mount, source
+
+
+def check_kafka_tls(objs: list[dict], report: Report) -> None:
+    """Kafka over mutual TLS: every listener serves TLS and authenticates clients by certificate; the pods
+    dial its port (KAFKA_BOOTSTRAP); every Kafka client (an app the listener admits) has
+    ``TEMPER_KAFKA_TLS_DIR`` on a read-only mount holding, under the names ``temper.runtime.kafka`` reads,
+    the cluster CA's ``ca.crt`` and its own KafkaUser's ``user.crt`` / ``user.key``, readable by the pod's user
+    only, and that KafkaUser exists with TLS authentication."""
+    from temper.runtime.kafka import TLS_DIR_ENV as KAFKA_TLS_ENV
+    from temper.runtime.kafka import TLS_FILES as KAFKA_FILES
+
+    kafka = next((o for o in objs if o["kind"] == "Kafka"), None)
+    if kafka is None:
+        return
+    cluster = kafka["metadata"]["name"]
+    listeners = kafka["spec"]["kafka"]["listeners"]
+    for i, listener in enumerate(listeners):
+        if not listener.get("tls") or listener.get("authentication", {}).get("type") != "tls":
+            report.add(kafka, f"spec.kafka.listeners[{i}]", f"{listener.get('name')!r} (port {listener.get('port')}): "
+                                                            "must serve TLS with authentication type tls")
+    endpoints = next((o.get("data", {}) for o in objs if o["kind"] == "ConfigMap"
+                      and o["metadata"]["name"].startswith("temper-endpoints")), {})
+    port = endpoints.get("KAFKA_BOOTSTRAP", "").rpartition(":")[2]
+    if port not in {str(listener.get("port")) for listener in listeners}:
+        report.add("ConfigMap/temper-endpoints", "data.KAFKA_BOOTSTRAP", f"{endpoints.get('KAFKA_BOOTSTRAP')}: no "
+                                                                         "listener on that port")
+    apps = {v for listener in listeners for peer in listener.get("networkPolicyPeers", [])
+            for e in peer.get("podSelector", {}).get("matchExpressions", []) for v in e.get("values", [])}
+    users = {o["metadata"]["name"]: o for o in objs if o["kind"] == "KafkaUser"}
+    for obj, pod in workloads(objs):
+        app = obj["spec"]["template"]["metadata"].get("labels", {}).get("app")
+        if app not in apps:
+            continue
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        for c in pod.get("containers", []):
+            name = identity(c)
+            if name is None:
+                continue
+            where = f"containers[{c['name']}]"
+            folder = next((e.get("value") for e in c.get("env", []) if e["name"] == KAFKA_TLS_ENV), None)
+            if folder is None:
+                report.add(obj, f"{where}.env", f"no {KAFKA_TLS_ENV}: this Kafka client would speak plaintext")
+                continue
+            mount, projected = _mounted(obj, c, volumes, folder, KAFKA_TLS_ENV, "projected", report)
+            if projected is None:
+                continue
+            files = {i["path"]: (src["secret"]["name"], i["key"]) for src in projected.get("sources", [])
+                     if "secret" in src for i in src["secret"].get("items", [])}
+            user = f"temper-{name}"
+            wanted = {KAFKA_FILES["ca"]: (f"{cluster}-cluster-ca-cert", "ca.crt"),
+                      KAFKA_FILES["cert"]: (user, "user.crt"), KAFKA_FILES["key"]: (user, "user.key")}
+            if files != wanted:
+                report.add(obj, f"volumes[{mount['name']}].projected.sources", f"mounts {files}, but the client reads "
+                                                                               f"{wanted}")
+            if projected.get("defaultMode", 0o644) & 0o007:
+                report.add(obj, f"volumes[{mount['name']}].projected.defaultMode", "the key is readable by others")
+            if user not in users:
+                report.add(obj, f"volumes[{mount['name']}]", f"no KafkaUser {user} (its Secret holds the certificate)")
+            elif users[user]["spec"].get("authentication", {}).get("type") != "tls":
+                report.add(f"KafkaUser/{user}", "spec.authentication.type", "must be tls")
 
 
 def dialled_names(objs: list[dict], parsed: dict) -> dict[str, set[str]]:

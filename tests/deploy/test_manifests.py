@@ -34,7 +34,8 @@ def test_every_object_validates_against_the_kubernetes_schemas(overlay):
     skipped = m.validate_schemas(objs, report)
     m.check_strimzi(objs, report)
     report.check()
-    assert {s.split(" ")[0].split("/")[0] for s in skipped} == {"Kafka", "KafkaNodePool", "KafkaTopic"}
+    kinds = {"Kafka", "KafkaNodePool", "KafkaTopic"} | ({"KafkaUser"} if name == "mtls" else set())
+    assert {s.split(" ")[0].split("/")[0] for s in skipped} == kinds
     assert len(objs) - len(skipped) > 40  # the core objects really went through the schemas
 
 
@@ -49,7 +50,8 @@ def test_rendered_config_parses_with_the_services_config_classes(overlay, tmp_pa
     assert parsed["reward"].sandbox_address == "sandbox:50052"
     assert parsed["learner"].checkpoint_url.startswith("s3://") and parsed["replay"].snapshot_url.startswith("s3://")
     assert parsed["sandbox"].publish_traces is False  # its pods have no egress
-    assert parsed["inference"].kafka_bootstrap == "temper-kafka-bootstrap:9092"
+    # the mtls overlay's listener is the TLS one
+    assert parsed["inference"].kafka_bootstrap == f"temper-kafka-bootstrap:{9093 if name == 'mtls' else 9092}"
     assert parsed["job"].steps > 0
 
 
@@ -134,6 +136,53 @@ def test_broken_wiring_is_named():
     assert "Deployment/reward: containers[reward].securityContext.allowPrivilegeEscalation" in text
 
 
+def _scale_wiring(objs: list[dict], tmp_path: Path) -> str:
+    report = m.Report("scale")
+    m.check_topology(objs, m.check_configs(objs, m.Report("scale"), tmp_path), report)
+    return "\n".join(report.errors)
+
+
+def test_scale_overlay_runs_replay_shards_and_the_learner_over_hosts(tmp_path):
+    objs = m.render(m.K8S / "overlays" / "scale")
+    by = {(o["kind"], o["metadata"]["name"]): o for o in objs}
+    replay, learner = by[("StatefulSet", "replay")], by[("StatefulSet", "learner")]
+    assert replay["spec"]["replicas"] == 2 and learner["spec"]["replicas"] == 2
+    parsed = m.check_configs(objs, m.Report("scale"), tmp_path)
+    assert parsed["replay"].shard == "0/2"  # pod 0's view of --shard $(POD_INDEX)/2
+    assert parsed["learner"].replay_address == "replay-0.replay-shards:50054,replay-1.replay-shards:50054"
+    assert parsed["learner"].ranks == 1  # the world is torchrun's
+    c = learner["spec"]["template"]["spec"]["containers"][0]
+    assert m.flag(c["command"], "--nproc-per-node") == str(c["resources"]["limits"]["nvidia.com/gpu"]) == "8"
+    # the objects of the gpu overlay, plus the headless Services, the shared checkpoint claim, the ranks' policy
+    gpu = {(o["kind"], o["metadata"]["name"]) for o in m.render(m.K8S / "overlays" / "gpu")}
+    assert set(by) - gpu == {("Service", "learner-ranks"), ("Service", "replay-shards"),
+                             ("PersistentVolumeClaim", "learner-checkpoints"),
+                             ("NetworkPolicy", "temper-learner-ranks")}
+    assert _scale_wiring(objs, tmp_path) == ""
+
+
+def test_broken_scale_wiring_is_named(tmp_path):
+    objs = m.render(m.K8S / "overlays" / "scale")
+    by = {(o["kind"], o["metadata"]["name"]): o for o in objs}
+    by[("StatefulSet", "replay")]["spec"]["replicas"] = 3   # --shard still says /2; 12 partitions: fine for 3
+    learner = by[("StatefulSet", "learner")]
+    learner["spec"]["replicas"] = 3                          # --nnodes still 2
+    by[("Service", "learner")]["spec"]["selector"].pop(m.POD_INDEX_LABEL)
+    by[("PersistentVolumeClaim", "learner-checkpoints")]["spec"]["accessModes"] = ["ReadWriteOnce"]
+    text = _scale_wiring(objs, tmp_path)
+    assert "StatefulSet/replay: containers[replay].args: 3 replicas need --shard $(<pod index variable>)/3" in text
+    assert "replay_address: samples ['replay-0.replay-shards', 'replay-1.replay-shards'], but the 3 replay " \
+           "shards are" in text
+    assert "StatefulSet/learner: containers[learner].command: --nnodes 2 but 3 replicas" in text
+    assert "Service/learner: spec.selector: 3 learner pods: calls must go to pod 0 (rank 0) only" in text
+    assert "checkpoint_dir '/var/lib/temper/checkpoints' must be on one ReadWriteMany claim" in text
+    by[("KafkaTopic", "scored")]["spec"]["partitions"] = 8  # 3 shards do not divide it
+    learner["spec"]["template"]["spec"]["containers"][0]["command"] = ["python", "-m", "temper.learner"]
+    text = _scale_wiring(objs, tmp_path)
+    assert "KafkaTopic/scored: spec.partitions: 8 partitions: not divisible by the 3 replay shards" in text
+    assert "3 replicas: one torchrun node each" in text
+
+
 def test_strimzi_topics_are_checked_against_the_brokers():
     objs = m.render(m.K8S / "overlays" / "cpu")
     topic = next(o for o in objs if o["kind"] == "KafkaTopic" and o["metadata"]["name"] == "rollouts")
@@ -209,7 +258,12 @@ def test_mtls_overlay_gives_every_service_its_own_secret_tls_settings_and_tls_pr
             if m.service_of(c) in m.SERVICES:
                 assert not [p for p in ("startupProbe", "readinessProbe", "livenessProbe") if "grpc" in c.get(p, {})]
     gpu = {m.ref(o) for o in m.render(m.K8S / "overlays" / "gpu")}
-    assert {m.ref(o) for o in objs} == gpu
+    # the same objects as the gpu overlay (the endpoints' ConfigMap renamed by its new hash), and a KafkaUser
+    # per Kafka client
+    ours = {m.ref(o) for o in objs}
+    assert {r for r in ours if not r.startswith("ConfigMap/temper-endpoints")} == \
+        {r for r in gpu if not r.startswith("ConfigMap/temper-endpoints")} | \
+        {f"KafkaUser/temper-{s}" for s in ("reward", "replay", "learner", "scheduler", "monitor", "submit")}
 
 
 def test_mtls_patches_are_the_generated_ones():
@@ -219,13 +273,17 @@ def test_mtls_patches_are_the_generated_ones():
         "overlays/mtls/mtls.yaml is stale or hand-edited: run python deploy/k8s/mtls/generate.py"
     assert (m.K8S / "mtls" / "cert-manager.yaml").read_text() == gen.render_certificates(), \
         "mtls/cert-manager.yaml is stale or hand-edited: run python deploy/k8s/mtls/generate.py"
+    assert (m.K8S / "overlays" / "mtls" / "kafka-users.yaml").read_text() == gen.render_users(), \
+        "overlays/mtls/kafka-users.yaml is stale or hand-edited: run python deploy/k8s/mtls/generate.py"
     assert {w[4] for w in gen.workloads()} == {*m.SERVICES, "submit"}
 
 
 def test_mtls_patches_apply_to_the_cpu_overlay_too(tmp_path):
     """The README's recipe: the same patches on ../cpu (kustomize loads patches only below the overlay, and
     bases by relative path)."""
-    (tmp_path / "mtls.yaml").write_text((m.K8S / "overlays" / "mtls" / "mtls.yaml").read_text())
+    for f in (m.K8S / "overlays" / "mtls").glob("*.yaml"):  # its patches and objects
+        if f.name != "kustomization.yaml":
+            (tmp_path / f.name).write_text(f.read_text())
     text = (m.K8S / "overlays" / "mtls" / "kustomization.yaml").read_text()
     assert "  - ../gpu\n" in text
     cpu = os.path.relpath(m.K8S / "overlays" / "cpu", tmp_path)
@@ -283,6 +341,31 @@ def test_broken_mtls_is_named():
            f"reads {sorted(TLS_FILES)}" in text
     assert "Deployment/monitor: volumes[tls].secret.secretName: temper-scheduler-tls: each service mounts its own" in text
     assert "Deployment/scheduler: securityContext.fsGroup:" in text
+
+
+def test_broken_kafka_tls_is_named():
+    objs = m.render(m.K8S / "overlays" / "mtls")
+    for obj, pod in m.workloads(objs):
+        c = pod["containers"][0]
+        if obj["metadata"]["name"] == "learner":
+            c["env"] = [e for e in c["env"] if e["name"] != "TEMPER_KAFKA_TLS_DIR"]
+        if obj["metadata"]["name"] == "replay":
+            kafka_tls = next(v for v in pod["volumes"] if v["name"] == "kafka-tls")
+            kafka_tls["projected"]["sources"][0]["secret"]["name"] = "temper-reward"  # another client's identity
+    kafka = next(o for o in objs if o["kind"] == "Kafka")
+    kafka["spec"]["kafka"]["listeners"].append({"name": "plain", "port": 9092, "type": "internal", "tls": False})
+    objs = [o for o in objs if not (o["kind"] == "KafkaUser" and o["metadata"]["name"] == "temper-monitor")]
+    next(o for o in objs if o["metadata"]["name"].startswith("temper-endpoints"))["data"]["KAFKA_BOOTSTRAP"] = \
+        "temper-kafka-bootstrap:9094"
+    report = m.Report("mtls")
+    m.check_kafka_tls(objs, report)
+    text = "\n".join(report.errors)
+    assert "StatefulSet/learner: containers[learner].env: no TEMPER_KAFKA_TLS_DIR: this Kafka client would speak " \
+           "plaintext" in text
+    assert "StatefulSet/replay: volumes[kafka-tls].projected.sources: mounts" in text
+    assert "Kafka/temper: spec.kafka.listeners[1]: 'plain' (port 9092): must serve TLS" in text
+    assert "Deployment/monitor: volumes[kafka-tls]: no KafkaUser temper-monitor" in text
+    assert "ConfigMap/temper-endpoints: data.KAFKA_BOOTSTRAP: temper-kafka-bootstrap:9094: no listener" in text
 
 
 def test_the_rendered_probe_passes_over_mtls_only_with_the_mounted_files(tmp_path):

@@ -144,6 +144,13 @@ def test_a_job_over_two_replicas_of_every_service_and_two_learner_ranks(stack):
         assert stats.duplicates == 0, (name, stats)
         inserts[name] = stats.inserts
     assert sum(inserts.values()) == len(expected) and all(inserts.values()), inserts
+    # `temper monitor` shows the one table over both shards (sums), each shard's size, and both shards' health
+    from temper.cli.monitor import gather
+
+    snap = gather(launcher.load())
+    assert snap.services["replay"] == snap.services["replay-1"] == "up"
+    assert snap.replay["inserts"] == len(expected) and set(snap.replay["shards"]) == {"replay", "replay-1"}
+    assert snap.replay["size"] == sum(snap.replay["shards"].values())
     shard_args = [state.services[n].args for n in ("replay", "replay-1")]
     assert [a[a.index("--shard") + 1] for a in shard_args] == ["0/2", "1/2"]
     # generation over both inference replicas; the learner's second rank is its child process

@@ -97,6 +97,24 @@ def test_every_dtype_and_shape_round_trips_whatever_the_chunking(chunk_bytes):
             assert got[name].dtype == t.dtype and got[name].shape == t.shape and torch.equal(got[name], t), name
 
 
+
+@pytest.mark.parametrize("chunk_bytes", [3, 97, 1 << 20])
+def test_the_sender_writes_what_safetensors_writes_byte_for_byte(chunk_bytes):
+    """The sender never builds the blob (header written by hand, data copied from the tensor's memory): joined,
+    its chunks are exactly ``safetensors.torch.save`` of each tensor, a non-contiguous one and fp8 included."""
+    from safetensors.torch import save
+
+    g = torch.Generator().manual_seed(2)
+    tensors = {"w": torch.randn(7, 5, generator=g), "bf16": torch.randn(4, 3, generator=g).to(torch.bfloat16),
+               "mask": torch.rand(9, generator=g) > 0.5, "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4),
+               "transposed": torch.randn(4, 6, generator=g).t(), "f64": torch.randn(3, dtype=torch.float64),
+               "fp8": torch.randn(5, generator=g).to(torch.float8_e4m3fn), "model.layers.0.q_proj.weight": torch.ones(2)}
+    for name, t in tensors.items():
+        joined = b"".join(c.data for c in chunks_from_tensors({name: t}, chunk_bytes=chunk_bytes))
+        assert joined == save({name: t.contiguous()}), name
+    with pytest.raises(InvalidArgument, match="complex64 has no safetensors name"):
+        list(chunks_from_tensors({"c": torch.zeros(2, dtype=torch.complex64)}))
+
 def _with_header(name: str, header: dict, data: bytes) -> list:
     """A hand-made blob (8-byte length, JSON header, data) as one chunk with a correct digest."""
     head = json.dumps(header).encode()

@@ -145,6 +145,32 @@ def test_process_grpo_without_step_rewards_is_grpo():
     assert close(ADVANTAGE_ESTIMATORS["process_grpo"](x)[0], ADVANTAGE_ESTIMATORS["grpo"](x)[0], 1e-6)
 
 
+def test_grpo_process_adds_the_outcome_advantage_to_the_step_advantage_of_sequences_with_steps():
+    # one group: seq A (3 tokens, total 1) steps 1 at token 0 and 0 at token 2; seq B (2 tokens, total 0) steps 0
+    # at token 1; seq C (1 token, total 0) no steps. Outcome: totals 1, 0, 0: mean 1/3, std sqrt(2)/3 ->
+    # A +sqrt(2), B and C -1/sqrt(2) on every token. Steps (A's and B's only) 1, 0, 0: the same normalisation
+    # -> +sqrt(2), -1/sqrt(2), -1/sqrt(2). A token 0: sqrt(2) + sqrt(2) - 1/sqrt(2); tokens 1, 2: sqrt(2) -
+    # 1/sqrt(2); B: -1/sqrt(2) - 1/sqrt(2) on both tokens; C: the outcome part only.
+    x = AdvantageInputs(torch.tensor([1.0, 0.0, 0.0]), torch.tensor([0, 0, 0]), torch.tensor([3, 2, 1]),
+                        step_rewards=torch.tensor([1.0, 0.0, 0.0]), step_seq=torch.tensor([0, 0, 1]),
+                        step_ends=torch.tensor([0, 2, 1]))
+    adv, returns = ADVANTAGE_ESTIMATORS["grpo_process"](x, eps=1e-12)
+    assert returns is None
+    r, h = math.sqrt(2), 1 / math.sqrt(2)
+    assert close(adv, [2 * r - h, r - h, r - h, -2 * h, -2 * h, -h], 1e-5)
+    assert "grpo_process" in algos.NEEDS_STEPS and "grpo_process" not in algos.NEEDS_CRITIC
+
+
+def test_grpo_process_without_step_rewards_is_grpo_and_equal_steps_add_nothing():
+    g = torch.Generator().manual_seed(4)
+    rewards, groups, lengths = torch.rand(5, generator=g), torch.tensor([0, 0, 1, 1, 1]), torch.tensor([2, 3, 1, 2, 2])
+    grpo = ADVANTAGE_ESTIMATORS["grpo"](AdvantageInputs(rewards, groups, lengths))[0]
+    assert close(ADVANTAGE_ESTIMATORS["grpo_process"](AdvantageInputs(rewards, groups, lengths))[0], grpo, 1e-6)
+    same = AdvantageInputs(rewards, groups, lengths, step_rewards=torch.full((5,), 0.3),
+                           step_seq=torch.arange(5), step_ends=lengths - 1)
+    assert close(ADVANTAGE_ESTIMATORS["grpo_process"](same)[0], grpo, 1e-6)
+
+
 def test_gae_step_puts_step_rewards_at_their_last_tokens():
     # seq 0: V = 0.5, 0.6, 0.7, steps 0.2 at token 0 and 1.0 at token 2, KL token reward -0.1 at token 0;
     # seq 1 (1 token, V = 0.4) has no step rewards: its total 1 at its last token. gamma 0.9, lambda 0.8:

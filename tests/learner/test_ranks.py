@@ -129,8 +129,9 @@ dir = "{model_dir}"
 
 [learner]
 epochs = 1
-ranks = 2
+ranks = {ranks}
 micro_batch_tokens = 64
+checkpoint_every = 1
 
 [replay]
 [inference]
@@ -145,6 +146,11 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _followers(learner_pid: int) -> list[int]:
+    # the learner's children started by multiprocessing's spawn (not its resource tracker)
+    return [c for c in _children(learner_pid) if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
 def test_the_learner_service_trains_over_two_ranks(tmp_path):
     from temper.client.sdk import InferenceClient, LearnerClient, ReplayClient
     from temper.runtime.launcher import Launcher, pid_alive
@@ -152,15 +158,14 @@ def test_the_learner_service_trains_over_two_ranks(tmp_path):
     from tests.learner.test_service import make_groups
 
     config = tmp_path / "temper.toml"
-    config.write_text(SERVICE.format(model_dir=tmp_path / "model"))
+    config.write_text(SERVICE.format(model_dir=tmp_path / "model", ranks=2))
     launcher = Launcher(home=tmp_path / "home", config=config)
     state = launcher.up(["inference", "replay", "learner"])
     pids = [p.pid for p in state.services.values()] + [state.broker.pid]
     try:
         addr = {n: p.address for n, p in state.services.items()}
         learner_pid = state.services["learner"].pid
-        # the follower: the learner's child started by multiprocessing's spawn (not its resource tracker)
-        followers = [c for c in _children(learner_pid) if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        followers = _followers(learner_pid)
         assert len(followers) == 1, _children(learner_pid)
         pids += followers
         inference, replay, learner = InferenceClient(addr["inference"]), ReplayClient(addr["replay"]), \
@@ -169,8 +174,23 @@ def test_the_learner_service_trains_over_two_ranks(tmp_path):
         wait_until(lambda: learner.status().step >= 2, 120, what="2 learner steps over 2 ranks")
         assert learner.status().policy_version == 2 and inference.policy_version() == 2
         assert all(pid_alive(f) for f in followers)
+        # kill -9 of the follower: rank 0's next step finds the group broken and exits (status 5); the
+        # supervisor restarts the learner, which starts a new follower and resumes from its checkpoint
+        os.kill(followers[0], 9)
+        replay.insert(make_groups(inference, 4, seed=2, job_id="ranks"))
+        wait_until(lambda: not pid_alive(learner_pid), 60, what="rank 0 to exit on the broken group")
+        assert "learner ranks broken" in Path(state.services["learner"].log).read_text()
+        restarted = wait_until(lambda: (p := launcher.load().services["learner"]).pid != learner_pid and p, 60,
+                               what="the learner restarted")
+        pids.append(restarted.pid)
+        assert learner.wait_ready(120)
+        wait_until(lambda: learner.status().step >= 3, 180, what="step 3 after the restart, over 2 ranks again")
+        assert learner.status().policy_version == 3
+        followers = _followers(restarted.pid)
+        assert len(followers) == 1
+        pids += followers
         # kill -9 of rank 0: its follower leaves by itself (it watches its parent), no rank left behind
-        os.kill(learner_pid, 9)
+        os.kill(restarted.pid, 9)
         wait_until(lambda: not any(pid_alive(f) for f in followers), 30, what="the follower to exit")
     finally:
         launcher.down()

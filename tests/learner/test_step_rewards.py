@@ -103,8 +103,9 @@ def test_process_grpo_step_trains_on_step_rewards_and_drops_a_bad_group(tmp_path
 
 
 def test_process_grpo_refuses_kl_in_the_reward():
-    with pytest.raises(ValueError, match="kl_in"):
-        TrainerConfig(advantage="process_grpo", kl_coef=0.1, kl_in="reward")
+    for name in ("process_grpo", "grpo_process"):
+        with pytest.raises(ValueError, match=f"kl_in: {name}"):
+            TrainerConfig(advantage=name, kl_coef=0.1, kl_in="reward")
     TrainerConfig(advantage="gae_step", kl_coef=0.1, kl_in="reward")  # GAE takes dense token rewards
 
 

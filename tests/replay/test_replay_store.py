@@ -210,6 +210,15 @@ def test_opens_the_skeleton_schema(tmp_path):
     assert (store.stats("default").inserts, store.stats("default").samples) == (2, 2)
 
 
+def test_a_group_whose_reward_is_an_error_is_stored_for_the_learner_to_drop_and_count(tmp_path):
+    store = open_store(tmp_path, t=dict(max_times_sampled=1))
+    failed = scored_group("failed")
+    failed.trajectories[0].reward.status = common_pb2.REWARD_STATUS_ERROR
+    assert store.insert("t", [failed]).inserted == 1
+    [draw] = store.sample("t", 1, timeout=0, max_batch=10).draws
+    assert draw.group_id == "failed"
+
+
 @pytest.mark.parametrize("mutate,field", [
     (lambda g: g.trajectories[0].completion_logprobs.append(-1.0), "groups[1].trajectories[0].completion_logprobs"),
     (lambda g: g.trajectories[1].ClearField("completion_token_ids"), "groups[1].trajectories[1].completion_logprobs"),
@@ -219,7 +228,7 @@ def test_opens_the_skeleton_schema(tmp_path):
     (lambda g: g.ClearField("group_id"), "groups[1].group_id"),
     (lambda g: g.ClearField("trajectories"), "groups[1].trajectories"),
     (lambda g: setattr(g.trajectories[1].reward, "total", float("nan")), "groups[1].trajectories[1].reward.total"),
-    (lambda g: setattr(g.trajectories[0].reward, "status", common_pb2.REWARD_STATUS_ERROR),
+    (lambda g: setattr(g.trajectories[0].reward, "status", common_pb2.REWARD_STATUS_UNSPECIFIED),
      "groups[1].trajectories[0].reward.status"),
 ])
 def test_a_batch_with_one_malformed_group_stores_nothing(tmp_path, mutate, field):

@@ -100,14 +100,16 @@ def test_flagged_prompt_in_a_domain_without_a_safety_weight(scorer):
 
 def test_component_errors_are_explicit(models):
     scorer = scorer_with(models, prm_max_steps=2)
-    # no token ids: the length penalty cannot be computed; 3 steps > prm_max_steps; empty: no steps
+    # no token ids: the length penalty cannot be computed; 3 steps > prm_max_steps; empty: no steps, which the
+    # PRM scores 0 (the policy wrote nothing right: a reward, not an error that would refuse its whole group)
     scored = scorer.score_group(rollout_group("toy.copy", "4", ["4", "4\n\n4\n\n4", ""], prompt="copy 1 2 4"))
     for traj in scored.trajectories:
         assert traj.reward.status == ERROR
         lp = component(traj, "length_penalty")
         assert lp.status == ERROR and lp.error == "trajectory has no completion_token_ids" and lp.value == 0
     assert component(scored.trajectories[1], "prm").error == "malformed steps: 3 steps > prm_max_steps 2"
-    assert component(scored.trajectories[2], "prm").error == "malformed steps: no steps (empty completion)"
+    empty = component(scored.trajectories[2], "prm")
+    assert (empty.status, empty.value, empty.error, empty.detail) == (OK, 0.0, "", "no steps (empty completion): 0")
     assert list(scored.trajectories[2].reward.step_rewards) == []
     # OK components still add up, the failed ones count nothing
     t0 = scored.trajectories[0].reward

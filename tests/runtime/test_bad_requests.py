@@ -121,6 +121,7 @@ def test_scheduler(stack):
                          ("max_tokens", 0), ("max_policy_lag", -1)]:
         expect(IA, field, c.start_job, scheduler_pb2.JobSpec(**{**ok, field: value}))
     expect(IA, "domains", c.start_job, scheduler_pb2.JobSpec(**ok, domains=["nope"]))
+    expect(IA, "stop", c.start_job, scheduler_pb2.JobSpec(**ok, stop=["\n\n", ""]))
     expect(IA, "sampling.weights[toy.copy]", c.start_job,
            scheduler_pb2.JobSpec(**ok, domains=["toy.copy"], sampling='{"weights": {"toy.copy": -1}}'))
     expect(IA, "sampling.adaptive.floor", c.start_job,

@@ -96,3 +96,24 @@ def test_bind_report_open_serve_then_drain_and_close_in_reverse(tmp_path):
                    ["close first"]]
     logged = [json.loads(line)["event"] for line in out.decode().splitlines() if line.startswith("{")]
     assert logged.index("bound") < logged.index("serving") < logged.index("stopping") < logged.index("stopped")
+
+
+def test_a_health_only_server_answers_probes_and_nothing_else(tmp_path):
+    """``serve_health``: the port a process without calls of its own (a learner's first rank on another host)
+    answers probes on: NOT_SERVING until set, then SERVING; the service's own methods are not there."""
+    import grpc
+
+    from temper.client.sdk import LearnerClient
+    from temper.runtime.config import ServiceConfig
+    from temper.runtime.service import serve_health
+
+    server, health, address = serve_health(ServiceConfig(host="127.0.0.1", port=0), "learner")
+    try:
+        assert check_health(address, timeout=5) == "NOT_SERVING"
+        health.set("", 1)  # SERVING
+        assert check_health(address, timeout=5) == "SERVING"
+        with pytest.raises(grpc.RpcError) as e:
+            LearnerClient(address).status()
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        server.stop(0)

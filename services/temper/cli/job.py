@@ -70,7 +70,7 @@ def follow_job(state: State, spec: JobSpec, timeout: float, echo=print, check=No
     raise to end the job (the launcher's ``raise_if_failed``: a service the supervisor gave up on). The
     scheduler may be unavailable for up to ``unavailable_seconds`` in a row (module docstring)."""
     consumer = KafkaConsumer(bootstrap_servers=state.kafka_bootstrap, group_id=None, enable_auto_commit=False,
-                             fetch_max_wait_ms=100)
+                             fetch_max_wait_ms=100, **kafka.client_security())
     tp, tp_scored = TopicPartition(kafka.METRICS, 0), TopicPartition(kafka.SCORED, 0)
     consumer.assign([tp, tp_scored])
     consumer.seek_to_end(tp, tp_scored)
@@ -176,7 +176,8 @@ def _catch_up(consumer: KafkaConsumer, tp_scored: TopicPartition, scheduler: Sch
     ``CATCH_UP_SECONDS``) until the scheduler's ``groups_scored`` covers the job's groups up to the stream's
     end, so its per-domain counts describe the whole job; on timeout it reports what the scheduler has."""
     job_id = status.job_id
-    end = consumer.end_offsets([tp_scored])[tp_scored]
+    # ListOffsets is short on Tansu's s3 engine; the watermark of this consumer's own fetches is not
+    end = max(consumer.end_offsets([tp_scored])[tp_scored], consumer.highwater(tp_scored) or 0)
     deadline = time.monotonic() + CATCH_UP_SECONDS
     while time.monotonic() < deadline and (consumer.position(tp_scored) < end
                                            or status.groups_scored < len(scored_ids)):

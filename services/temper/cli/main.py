@@ -314,6 +314,7 @@ def cmd_eval(args) -> int:
     if prefix and not chat:
         raise ValueError("--response-prefix needs the chat template")
     max_tokens = args.max_tokens or int(job.get("eval", {}).get("max_tokens", 0) or job.get("max_tokens", 64))
+    stop = list(job.get("stop", []))  # answers end as the job's do
     sets = EvalSets(domains, args.size, args.seed, domain_config)
     job_eval = job.get("eval", {})
     samples = int(job_eval.get("samples", 1) if args.samples is None else args.samples)
@@ -338,7 +339,7 @@ def cmd_eval(args) -> int:
                     RewardClient(state.services["reward"].address) as reward:
                 def answer(prompts, n_tokens, n, temperature, seed):
                     return inference.generate(prompts, n=n, temperature=temperature, max_tokens=n_tokens, seed=seed,
-                                              apply_chat_template=chat, assistant_prefix=prefix)
+                                              apply_chat_template=chat, assistant_prefix=prefix, stop=stop)
 
                 result = evaluate(sets, answer, reward.score, max_tokens, "standalone", response_prefix=prefix,
                                   samples=samples, temperature=temperature, seed=args.seed)

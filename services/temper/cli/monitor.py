@@ -7,7 +7,8 @@ Two halves, kept apart so that each is testable alone:
   draws and pass rates, evaluations), the monitor's per-step series (``ListSteps``: per-domain
   reward and response length; the learner's metrics: step times and tokens for throughput) and
   alerts (``ListAlerts``), the learner's status (KL, entropy, clip fraction, policy lag) and the
-  replay table's stats (size, and draws held by leases). A service that is not up, or does not answer, is recorded as such
+  replay table's stats (size, and draws held by leases; summed over replay shards, each shard's size
+  kept). A service that is not up, or does not answer, is recorded as such
   in ``Snapshot.services`` and its part of the view stays empty; gathering never raises for it.
 - :func:`render` turns a snapshot into rich tables (``rich.live.Live`` redraws them every
   ``--interval`` seconds); :func:`to_json` into the one JSON object ``--json`` prints.
@@ -29,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 import grpc
 
 from temper.client.sdk import LearnerClient, MonitorClient, ReplayClient, SchedulerClient
-from temper.runtime.launcher import State, pid_alive
+from temper.runtime.launcher import State, pid_alive, service_of
 from temper.v1 import monitor_pb2, scheduler_pb2
 
 SERVICES = ("scheduler", "monitor", "learner", "replay")
@@ -133,8 +134,11 @@ def gather(state: State | None, job_id: str = "", table: str = "default", alerts
     """One snapshot of the job ``job_id`` (default: the scheduler's running job, else its last one) from the
     services recorded in ``state`` (None: nothing is up). Never raises for a service that is missing or fails."""
     services = {name: "not running" for name in SERVICES}
+    # replicas of these services (replay shards: replay, replay-1, ...) are asked too
+    services.update({n: "not running" for n in (state.services if state is not None else {})
+                     if service_of(n) in SERVICES})
     addresses = {}
-    for name in SERVICES:
+    for name in services:
         proc = state.services.get(name) if state is not None else None
         if proc is None:
             continue
@@ -169,7 +173,8 @@ def gather(state: State | None, job_id: str = "", table: str = "default", alerts
     found = ask("monitor", MonitorClient, lambda c: c.list_alerts(job_id=job_id, limit=alerts)) if alerts else []
     snap.alerts = [_alert_view(a) for a in reversed(found or [])]  # newest first
     learner = ask("learner", LearnerClient, lambda c: c.status())
-    stats = ask("replay", ReplayClient, lambda c: c.stats(table))
+    shards = [n for n in services if service_of(n) == "replay"]  # one table over the shards: summed below
+    shard_stats = [ask(n, ReplayClient, lambda c: c.stats(table)) for n in shards]
 
     scored = {s.domain: s.steps for s in series if s.source == "scored"}
     metrics = next((s.steps for s in series if s.source == "metrics"), [])
@@ -206,10 +211,14 @@ def gather(state: State | None, job_id: str = "", table: str = "default", alerts
         snap.learner = {"step": last_point.step,
                         "signals": {k: last_point.values[k] for k in SIGNALS if k in last_point.values}}
     snap.throughput = _throughput(metrics, window)
-    if stats is not None:
-        snap.replay = {"table": stats.table, "size": stats.size, "inserts": stats.inserts, "samples": stats.samples,
-                       "bytes": stats.bytes, "current_policy_version": stats.current_policy_version,
-                       "leased": stats.leased}  # drawn by a learner under a lease, not yet acknowledged
+    answered = [s for s in shard_stats if s is not None]
+    if answered:  # the sums over the shards that answered (a shard down: its status says so, its groups are missing)
+        snap.replay = {"table": answered[0].table, **{k: sum(getattr(s, k) for s in answered) for k in (
+                           "size", "inserts", "samples", "bytes",
+                           "leased")},  # leased: drawn by a learner under a lease, not yet acknowledged
+                       "current_policy_version": max(s.current_policy_version for s in answered)}
+        if len(shards) > 1:
+            snap.replay["shards"] = {n: (s.size if s is not None else None) for n, s in zip(shards, shard_stats)}
     return snap
 
 
@@ -278,7 +287,8 @@ def render(snap: Snapshot, plain: bool = False):
     t.add_row(_f(ln.get("step"), "d"), f"v{ln['policy_version']}" if "policy_version" in ln else "-", lag,
               *[_f(sig[k], ".4g") for k in SIGNALS if k in sig], _f(tp.get("steps_per_minute"), ".1f"),
               _f(tp.get("tokens_per_second"), ".0f"), _f(tp.get("train_tokens_per_second"), ".0f"),
-              _f(rp.get("size"), "d") + (f" (+{rp['leased']} leased)" if rp.get("leased") else ""))
+              _f(rp.get("size"), "d") + (f" (+{rp['leased']} leased)" if rp.get("leased") else "")
+              + (f" over {len(rp['shards'])} shards" if rp.get("shards") else ""))
     parts.append(t)
 
     t = table(f"latest alerts ({len(snap.alerts)})", "step", "domain", "detector", "severity", "policy",

@@ -244,7 +244,8 @@ def render_plan(plan: Plan) -> str:
               f"job       {spec.steps} steps x {spec.prompts_per_step} prompts x {spec.group_size} samples (group_size) "
               f"= {samples} samples per step, {samples * spec.steps} in all; max policy lag {spec.max_policy_lag}; "
               f"temperature {spec.temperature:g}; max_tokens {spec.max_tokens}; seed {spec.seed}"
-              + (f"; chat template, response prefix {spec.response_prefix!r}" if spec.chat_template else ""),
+              + (f"; chat template, response prefix {spec.response_prefix!r}" if spec.chat_template else "")
+              + (f"; stop at {', '.join(map(repr, spec.stop))}" if spec.stop else ""),
               "domains   " + "\n          ".join(
                   f"{d}" + ("" if d in spec.domains else " (eval only)") + ": " + _domain_line(d, spec.domain_config.get(d))
                   for d in [*spec.domains, *(d for d in spec.eval_domains if d not in spec.domains)])]

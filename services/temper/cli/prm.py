@@ -32,6 +32,7 @@ from temper.runtime.jsonl import jsonl_rows
 MAX_SEQUENCES_PER_CALL = 512  # rollouts per Generate call (well under the service's max_sequences_per_request)
 MAX_GROUP = 256  # completions per Score call (under the reward service's max_group_size)
 TEMPORARY = "services started for this command"
+LIVE = "scored"  # --from scored: the running stack's topic
 
 
 def read_export(path: Path, max_trajectories: int = 0) -> list:
@@ -54,6 +55,22 @@ def read_export(path: Path, max_trajectories: int = 0) -> list:
                          + (f" ({without_task} without one: export again with `python -m temper.reward.dataset`, "
                             "which writes each record's task)" if without_task else ""))
     return out[:max_trajectories] if max_trajectories > 0 else out
+
+
+def export_live(launcher, path: Path, job_id: str = "") -> Path:
+    """Export the topics of ``launcher``'s running stack to ``path`` (``temper.reward.dataset.export``: scored
+    groups with their execution traces joined), only job ``job_id``'s when given; the path."""
+    from temper.reward.dataset import export
+
+    state = launcher.load()
+    if state is None or state.broker is None:
+        raise ValueError(f"--from {LIVE}: no running stack in {launcher.home} (start one with `temper up`, or "
+                         "pass an export file)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not export(state.kafka_bootstrap, path, job_id=job_id)["groups"]:
+        raise ValueError(f"--from {LIVE}: the stack's scored topic has no group"
+                         + (f" of job {job_id!r}" if job_id else "") + " yet")
+    return path
 
 
 def label_settings(args, job: dict) -> tuple[dict, dict]:
@@ -125,7 +142,12 @@ def _label(args, out: Path, keep_policy: Path | None = None) -> tuple[dict, list
     # every refusal (a budget of 0, a bad [job.step_labels] key, a delimiter that never occurs, ...) before
     # anything heavy loads or starts
     settings, sources = label_settings(args, job)
-    trajectories = read_export(Path(args.from_), args.max_trajectories)
+    source = Path(args.from_)
+    if args.from_job and args.from_ != LIVE:
+        raise ValueError(f"--from-job: only with --from {LIVE} (an export file holds what it was exported with)")
+    if args.from_ == LIVE:  # the running stack's scored topic: every job's trajectories so far (--from-job: one's)
+        source = export_live(launcher, out.with_name(out.stem + ".export.jsonl"), args.from_job)
+    trajectories = read_export(source, args.max_trajectories)
     options = LabelOptions(k=settings["k"], budget=settings["budget"],
                            delimiter=delimiter_option(settings["delimiter"], launcher.config_path),
                            threshold=settings["threshold"], label_kind=settings["label"],
@@ -143,6 +165,7 @@ def _label(args, out: Path, keep_policy: Path | None = None) -> tuple[dict, list
     chat = bool(job.get("chat_template", False)) if args.chat_template is None else args.chat_template
     max_tokens = args.max_tokens or int(job.get("max_tokens", 64))
     temperature = float(job.get("temperature", 1.0)) if args.temperature is None else args.temperature
+    stop = list(job.get("stop", []))  # a rollout ends as the job's answers do
     code = any(s.task.domain.startswith("code.") or s.task.metadata.get("verifier", "").startswith("code.")
                for s in trajectories)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -159,7 +182,7 @@ def _label(args, out: Path, keep_policy: Path | None = None) -> tuple[dict, list
             step = max(1, MAX_SEQUENCES_PER_CALL // k)
             for i in range(0, len(prompts), step):
                 resp = inference.generate(prompts[i: i + step], n=k, temperature=temperature, max_tokens=max_tokens,
-                                          seed=args.seed * 1_000_003 + next(calls))
+                                          stop=stop, seed=args.seed * 1_000_003 + next(calls))
                 version = resp.policy_version
                 per_prefix += [[Rollout(c.text, c.finish_reason, tuple(c.token_ids)) for c in r.completions]
                                for r in resp.results]
@@ -295,7 +318,10 @@ def _label_options(la) -> None:
 
     from temper.reward.step_labels import LABEL_DEFAULTS as D
 
-    la.add_argument("--from", dest="from_", required=True, help="a dataset export (python -m temper.reward.dataset)")
+    la.add_argument("--from", dest="from_", required=True,
+                    help=f"a dataset export (python -m temper.reward.dataset), or {LIVE!r}: the scored topic of the "
+                         "running stack of --home (exported beside --out first)")
+    la.add_argument("--from-job", default="", help=f"with --from {LIVE}: only this job's trajectories")
     # the labelling settings: a flag given overrides the job's [job.step_labels]; neither: the default shown
     la.add_argument("--k", type=int, default=None, help=f"rollouts per step prefix (default {D['k']})")
     la.add_argument("--budget", type=int, default=None, help="most rollouts of this run (a trajectory of S steps "

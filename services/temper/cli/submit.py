@@ -33,13 +33,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def job_of(config: dict, source: Path, job_id: str = ""):
+    """The config's [job] table as a validated JobSpec, read as `temper run` reads it (``[job.eval]``,
+    ``[job.sampling]``, dataset paths relative to the file; ``[job.step_labels]`` is `temper prm`'s); a
+    mistake is a ValueError naming the key."""
+    from temper.cli.plan import job_spec
+
+    job = dict(config.get("job", {}))
+    if job_id:
+        job["job_id"] = job_id
+    spec = job_spec(job, source)
+    if not spec.job_id:
+        spec.job_id = time.strftime("job-%Y%m%d-%H%M%S", time.gmtime())
+    return spec
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     from temper.cli.job import follow_job, write_report
     from temper.client.sdk import LearnerClient
     from temper.runtime.launcher import Proc, State
-    from temper.scheduler.core import JobSpec
 
     try:  # check the store before the job starts, not after it ran for days
         reports = ObjectStore(args.report_url) if args.report_url else None
@@ -48,21 +62,18 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     with open(args.config, "rb") as f:
         config = tomllib.load(f)
-    job = dict(config.get("job", {}))
-    job.pop("step_labels", None)  # `temper prm label`'s settings, not the scheduler's
-    if args.job_id:
-        job["job_id"] = args.job_id
-    spec = JobSpec(**job)
-    if not spec.job_id:
-        spec.job_id = time.strftime("job-%Y%m%d-%H%M%S", time.gmtime())
-    spec.validate()
+    try:
+        spec = job_of(config, Path(args.config), args.job_id)
+    except ValueError as e:
+        print(f"temper-submit: {e}", file=sys.stderr)
+        return 1
     state = State(home="", config=args.config, broker=Proc("broker", 0, args.kafka_bootstrap, ""),
                   services={"scheduler": Proc("scheduler", 0, args.scheduler, "")})
     t0 = time.monotonic()
-    steps = follow_job(state, spec, timeout=args.timeout)
+    followed = follow_job(state, spec, timeout=args.timeout)
     wall = time.monotonic() - t0
     with tempfile.TemporaryDirectory(prefix="temper-report-") as tmp:
-        out = write_report(Path(tmp) / spec.job_id, spec, config, steps, wall)
+        out = write_report(Path(tmp) / spec.job_id, spec, config, followed.steps, wall, followed)
         if reports is not None:
             reports.put_dir(out, spec.job_id)
             print(f"report: {reports.url}/{spec.job_id}/summary.json")
@@ -70,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         with LearnerClient(args.learner, timeout=3600.0) as learner:  # a large model takes a while to write
             final = learner.checkpoint(f"final-{spec.job_id}")
         print(f"final policy: checkpoint {final.path} (step {final.step}, policy version {final.policy_version})")
+    if followed.paused:  # as `temper run`: the monitor paused it
+        print(f"the monitor paused the job after {len(followed.steps)} of {spec.steps} steps: "
+              f"{followed.status.pause_reason}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -22,14 +22,13 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 import xxhash
-from safetensors.torch import save as save_safetensors
 
 from temper.runtime.errors import InvalidArgument, require
 from temper.v1 import inference_pb2
 
 DEFAULT_CHUNK_BYTES = 4 << 20  # = the server's default max_chunk_bytes
 # UpdateWeightsRequest fields that carry a digest of the whole blob -> hex digest of bytes
-DIGESTS = {"xxh3_128": xxhash.xxh3_128_hexdigest, "sha256": lambda blob: hashlib.sha256(blob).hexdigest()}
+DIGESTS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}  # checksum name -> a streaming hash
 # safetensors dtype names -> torch dtypes (what safetensors.torch writes)
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -37,20 +36,50 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
 MAX_HEADER_BYTES = 1 << 20  # one tensor's header is ~100 bytes; more is not a blob of ours
 
 
+TORCH_TO_SAFETENSORS = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+
+def safetensors_parts(name: str, tensor: torch.Tensor) -> tuple[bytes, memoryview]:
+    """The safetensors blob of one tensor as (length prefix + header, the tensor's own bytes without a copy):
+    byte for byte what ``safetensors.torch.save({name: tensor})`` writes (compact JSON, padded with spaces to
+    8 bytes), so a receiver cannot tell them apart."""
+    t = tensor.detach().contiguous().cpu()
+    dtype = TORCH_TO_SAFETENSORS.get(t.dtype)
+    if dtype is None:
+        raise InvalidArgument(f"tensor {name}: dtype {t.dtype} has no safetensors name", field="tensors")
+    data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    header = json.dumps({name: {"dtype": dtype, "shape": list(t.shape), "data_offsets": [0, len(data)]}},
+                        separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    return struct.pack("<Q", len(header)) + header, data
+
+
 def chunks_from_tensors(tensors: dict[str, torch.Tensor], chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                         new_version: int = 0, checksum: str = "xxh3_128",
                         lineage: str = "") -> Iterator[inference_pb2.UpdateWeightsRequest]:
-    digest_of = DIGESTS[checksum]
+    """Each tensor's safetensors blob in chunks of at most ``chunk_bytes``, its digest on its last chunk. The blob
+    is never built: the digest is taken over the header and the tensor's memory, and each chunk's bytes are
+    copied once, from the tensor into the message (protobuf takes no views)."""
+    if checksum not in DIGESTS:
+        raise InvalidArgument(f"checksum {checksum!r} is not one of {sorted(DIGESTS)}", field="checksum")
     first = True
     for name, tensor in tensors.items():
-        blob = save_safetensors({name: tensor.detach().contiguous().cpu()})
-        digest = {checksum: digest_of(blob)}
-        for offset in range(0, len(blob), chunk_bytes):
-            piece = blob[offset:offset + chunk_bytes]
-            last = offset + len(piece) == len(blob)
-            yield inference_pb2.UpdateWeightsRequest(tensor_name=name, data=piece, offset=offset, total_bytes=len(blob),
-                                            new_version=new_version if first else 0, lineage=lineage if first else "",
-                                            **(digest if last else {}))
+        prefix, data = safetensors_parts(name, tensor)
+        state = DIGESTS[checksum]()
+        state.update(prefix)
+        state.update(data)
+        digest = {checksum: state.hexdigest()}
+        total, head = len(prefix) + len(data), len(prefix)
+        for offset in range(0, total, chunk_bytes):
+            end = min(offset + chunk_bytes, total)
+            if offset < head:
+                piece = prefix[offset:min(end, head)] + bytes(data[:max(end - head, 0)])
+            else:
+                piece = bytes(data[offset - head:end - head])
+            yield inference_pb2.UpdateWeightsRequest(tensor_name=name, data=piece, offset=offset, total_bytes=total,
+                                                     new_version=new_version if first else 0,
+                                                     lineage=lineage if first else "",
+                                                     **(digest if end == total else {}))
             first = False
 
 

@@ -31,7 +31,7 @@ AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 # Advantage estimators that regress a learned value function (the trainer builds a critic for them).
 NEEDS_CRITIC = {"gae", "gae_step"}
 # Advantage estimators that read per-step rewards (the learner lays out each trajectory's steps for them).
-NEEDS_STEPS = {"process_grpo", "gae_step"}
+NEEDS_STEPS = {"process_grpo", "grpo_process", "gae_step"}
 
 
 def register_advantage(name: str):
@@ -159,11 +159,12 @@ class AdvantageInputs:
     step_seq: torch.Tensor | None = None
     step_ends: torch.Tensor | None = None
 
-    def steps(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def steps(self, fallback: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """([S'] step rewards, [S'] their sequence, [S'] the index in [T] of each step's last token).
 
-        A sequence with no step rewards counts as one step: its outcome reward (``rewards``), ending
-        at its last token. So a batch without any step rewards gives one step per sequence.
+        With ``fallback``, a sequence with no step rewards counts as one step: its outcome reward (``rewards``),
+        ending at its last token, so a batch without any step rewards gives one step per sequence; without it,
+        such a sequence has no step.
         """
         starts = torch.cumsum(self.lengths, 0) - self.lengths
         dtype = self.rewards.dtype
@@ -171,12 +172,13 @@ class AdvantageInputs:
             values, seq, ends = self.rewards[:0], self.group_index[:0], self.lengths[:0]
         else:
             values, seq, ends = self.step_rewards.to(dtype), self.step_seq.long(), self.step_ends.long()
-        without = torch.ones(len(self.lengths), dtype=torch.bool)
-        without[seq] = False
-        missing = without.nonzero().squeeze(1)
-        values = torch.cat([values, self.rewards[missing]])
-        seq = torch.cat([seq, missing])
-        ends = torch.cat([ends, self.lengths[missing] - 1])
+        if fallback:
+            without = torch.ones(len(self.lengths), dtype=torch.bool)
+            without[seq] = False
+            missing = without.nonzero().squeeze(1)
+            values = torch.cat([values, self.rewards[missing]])
+            seq = torch.cat([seq, missing])
+            ends = torch.cat([ends, self.lengths[missing] - 1])
         return values, seq, starts[seq] + ends
 
     def sequence_scores(self) -> torch.Tensor:
@@ -302,10 +304,31 @@ def process_grpo(x: AdvantageInputs, *, gamma: float = 1.0, lam: float = 1.0, ep
     (``AdvantageInputs.steps``); a batch without step rewards thus gets exactly ``grpo``'s advantages.
     Token rewards (KL in the reward) are refused by the config: put the KL in the loss.
     """
-    values, seq, ends = x.steps()
+    return step_advantages(x, *x.steps(), eps), None
+
+
+def step_advantages(x: AdvantageInputs, values: torch.Tensor, seq: torch.Tensor, ends: torch.Tensor,
+                    eps: float) -> torch.Tensor:
+    """[T]: the steps (``AdvantageInputs.steps``) normalised by the mean and std of their group's steps, each
+    token getting the sum over the steps of its sequence that end at or after it."""
     normalised = grpo_advantages(values, x.group_index[seq], eps)
     dense = torch.zeros(int(x.lengths.sum()), dtype=normalised.dtype).index_add_(0, ends, normalised)
-    return discounted_returns(dense, x.lengths, 1.0), None
+    return discounted_returns(dense, x.lengths, 1.0)
+
+
+@register_advantage("grpo_process")
+def grpo_process(x: AdvantageInputs, *, gamma: float = 1.0, lam: float = 1.0, eps: float = 1e-6):
+    """Outcome plus process supervision: token t of sequence i gets GRPO's advantage of the sequence's
+    ``reward.total`` (normalised within its group), plus the process advantage of ``process_grpo`` over the
+    step rewards -- each step reward normalised by the mean and std of the group's step rewards, summed over
+    the steps of the sequence that end at or after t. Only sequences with step rewards have steps here (one
+    without gets the outcome part alone), so a batch without step rewards gets exactly ``grpo``'s advantages,
+    and a PRM that scores every step alike adds nothing to the outcome's signal.
+    """
+    outcome = grpo_advantages(x.rewards, x.group_index, eps)[seq_index(x.lengths)]
+    if x.step_rewards is None or x.step_rewards.numel() == 0:
+        return outcome, None
+    return outcome + step_advantages(x, *x.steps(fallback=False), eps), None
 
 
 @register_advantage("gae_step")

@@ -33,7 +33,8 @@ class LearnerConfig(ServiceConfig, TrainerConfig):
                                                             "[job].prompts_per_step)")
     ranks: int = Field(1, ge=1, le=64, description="data-parallel ranks on this host: the service is rank 0 and "
                        "starts ranks - 1 followers; each step's micro-batches are split over them and the gradients "
-                       "summed (temper.learner.ranks; gloo on CPU, nccl on CUDA)")
+                       "summed (temper.learner.ranks; gloo on CPU, nccl on CUDA). Started by torchrun (several "
+                       "hosts), the ranks are torchrun's: 1 or torchrun's world")
     table: str = Field("default", description="the replay table the learner samples")
     sample_lease_seconds: float = Field(60.0, ge=0, le=86_400, description="> 0: each batch is sampled with a "
                                         "replay lease of this length, renewed every third of it while its step runs "
@@ -60,13 +61,18 @@ class LearnerConfig(ServiceConfig, TrainerConfig):
 
     @model_validator(mode="after")
     def _ranks_without_critic(self):
-        if self.ranks > 1 and self.advantage in NEEDS_CRITIC:
-            raise ValueError(f"ranks: {self.ranks} ranks train critic-free estimators only; advantage "
+        self.check_world(self.ranks)
+        return self
+
+    def check_world(self, world: int) -> None:
+        """What a learner over ``world`` ranks cannot train (ValueError naming the field); torchrun's world is
+        checked by the service, the configured ``ranks`` here."""
+        if world > 1 and self.advantage in NEEDS_CRITIC:
+            raise ValueError(f"ranks: {world} ranks train critic-free estimators only; advantage "
                              f"{self.advantage!r} trains a critic (use ranks = 1, or grpo, rloo, ...)")
-        if self.ranks > 1 and self.shard_parameters and self.lora_rank > 0:
+        if world > 1 and self.shard_parameters and self.lora_rank > 0:
             raise ValueError("shard_parameters: LoRA adapters are not sharded over ranks; with lora_rank > 0 and "
                              "ranks > 1 set shard_parameters = false")
-        return self
 
     def trainer_config(self) -> TrainerConfig:
         return TrainerConfig(**self.model_dump(include=set(TrainerConfig.model_fields)))

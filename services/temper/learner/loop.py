@@ -159,6 +159,12 @@ class LearnerLoop:
         self._resume.set()
         self._thread = threading.Thread(target=self._run, name="learner-loop", daemon=True)
         self._tracer = tracer("temper.learner")
+        self.failed: BaseException | None = None  # what ended the loop, if anything did (the service's health)
+        self.on_failure = None  # called with it (the service: a learner over ranks exits, see service.py)
+
+    def alive(self) -> bool:
+        """The loop is training, or paused, or stopped on request -- not ended by an error."""
+        return self.failed is None
 
     def start(self) -> LearnerLoop:
         self._thread.start()
@@ -170,6 +176,16 @@ class LearnerLoop:
         self._thread.join(30)
 
     def _run(self) -> None:
+        try:
+            self._train()
+        except BaseException as e:  # the batch in hand went back to replay (requeued) on the way out
+            self.failed = e
+            _log.exception("learner loop ended by an error")
+            if self.on_failure is not None:
+                self.on_failure(e)
+            raise
+
+    def _train(self) -> None:
         self._requeue_left_behind()
         while not self._stop.is_set():
             self._resume.wait()
@@ -575,12 +591,16 @@ class LearnerLoop:
         return True
 
     def export_policy(self, path: str, dtype: str = "") -> tuple[Path, int, int, int]:
-        """The current policy as an HF folder at ``path`` (between steps); (path, step, version, bytes)."""
-        from temper.learner.export import export_policy
+        """The current policy as an HF folder at ``path`` (between steps); (path, step, version, bytes). ``dtype``
+        "": the dtype the policy is pushed to inference in (``push_dtype``), i.e. the weights that were served and
+        evaluated -- not the start folder's stored dtype, which may round a policy trained in fp32 at a small lr
+        back to where it started."""
+        from temper.learner.export import DTYPES, export_policy
 
         with self._lock:
             step, version = self.trainer.step_count, self.trainer.policy_version
-            size = export_policy(self.trainer.weights(), self.model_dir, path, dtype,
+            served = next(name for name, d in DTYPES.items() if d == self.trainer.push_dtype)
+            size = export_policy(self.trainer.weights(), self.model_dir, path, dtype or served,
                                  meta={"step": step, "policy_version": version})
         return Path(path), step, version, size
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -10,14 +11,24 @@ from temper.client.shards import ShardedReplay, shard_addresses
 from temper.client.sdk import InferenceClient, ReplayClient
 from temper.learner.config import LearnerConfig
 from temper.learner.loop import LearnerLoop
-from temper.learner.ranks import Ranks
+from temper.learner.ranks import Ranks, check_world, torchrun
 from temper.learner.servicer import LearnerServicer
 from temper.learner.trainer import Trainer
 from temper.runtime import kafka
+from temper.runtime.logs import get_logger
 from temper.runtime.rpc import client
 from temper.runtime.service import Service, StartupError
 from temper.runtime.storage import StorageError, mirror_from_url
 from temper.v1 import learner_pb2, learner_pb2_grpc
+
+
+def _exit_ranks_broken(error: BaseException) -> None:
+    """Over ranks, an error the followers did not share (a rank gone, a collective failed) leaves the group
+    unusable: rank 0 exits at once (status 5) so that its followers see it gone and leave, and the supervisor
+    (torchrun, Kubernetes, ``temper up``'s) restarts the learner, which resumes from its newest checkpoint."""
+    get_logger(component="learner").error("learner ranks broken; exiting for a restart of every rank",
+                                          error=f"{type(error).__name__}: {error}")
+    os._exit(5)
 
 
 class LearnerService(Service[LearnerConfig]):
@@ -30,7 +41,15 @@ class LearnerService(Service[LearnerConfig]):
             mirror = mirror_from_url(config.checkpoint_url)
         except StorageError as e:
             raise StartupError(f"checkpoint_url: {e}") from e
-        if config.ranks > 1:  # the followers start and join before the model loads (temper.learner.ranks)
+        launched = torchrun()
+        if launched is not None:  # torchrun started the ranks (several hosts): this is rank 0; join them
+            try:
+                check_world(config, launched[1])
+                ranks = Ranks.joined(config)
+            except ValueError as e:
+                raise StartupError(str(e)) from e
+            stack.callback(ranks.close)
+        elif config.ranks > 1:  # the followers start and join before the model loads (temper.learner.ranks)
             ranks = Ranks(config.ranks, config.data_dir, config.model_dir, config.trainer_config().model_dump())
             stack.callback(ranks.close)
         trainer = Trainer(config.model_dir, config.trainer_config())  # the slow part; the port is already bound
@@ -62,8 +81,13 @@ class LearnerService(Service[LearnerConfig]):
             for replica in replicas.current().values():
                 replica.wait_ready(config.dependency_wait_seconds)
             self.loop.resume_from_checkpoint()
+        if trainer.world > 1:  # a rank gone mid-step breaks the group: only a restart of every rank mends it
+            self.loop.on_failure = _exit_ranks_broken
         self.loop.start()
         stack.callback(self.loop.stop)
+
+    def checks(self):
+        return [self.loop.alive]  # a loop ended by an error: NOT_SERVING (a pod's liveness probe restarts it)
 
     def register(self, server) -> list[str]:
         learner_pb2_grpc.add_LearnerServiceServicer_to_server(

@@ -9,7 +9,7 @@ A step:
 3. without gradients: reference-model logprobs (when a KL penalty is on) and the critic's
    values (GAE);
 4. advantages by the configured estimator (KL in the reward enters here as dense token rewards;
-   process_grpo / gae_step read each trajectory's step rewards, laid out by the loop with
+   process_grpo / grpo_process / gae_step read each trajectory's step rewards, laid out by the loop with
    ``step_tokens``, and report ``step_reward_trajectories`` / ``step_rewards`` among the metrics);
 5. ``epochs`` passes: per micro-batch, teacher-forced token logprobs under the current weights
    (logits scaled by each sample's temperature), the configured policy loss (+ KL in the loss,
@@ -72,7 +72,8 @@ class TrainerConfig(BaseModel):
 
     # algorithm (registered names: see temper.learner.algos)
     advantage: str = Field("grpo", description="advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, gae; with "
-                                               "per-step rewards (Reward.step_rewards): process_grpo, gae_step")
+                                               "per-step rewards (Reward.step_rewards): process_grpo, grpo_process "
+                                               "(outcome + process), gae_step")
     policy_loss: str = Field("ppo_clip", description="policy loss: ppo_clip, gspo")
     loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = Field(
         "token_mean", description="how token losses become the batch loss (seq_mean_token_sum: Dr.GRPO)")
@@ -184,8 +185,8 @@ class TrainerConfig(BaseModel):
         if self.lr_schedule != "constant" and self.total_steps <= self.warmup_steps:
             raise ValueError(f"total_steps: must be > warmup_steps ({self.warmup_steps}) for lr_schedule "
                              f"{self.lr_schedule!r}, got {self.total_steps}")
-        if self.advantage == "process_grpo" and self.kl_coef > 0 and self.kl_in == "reward":
-            raise ValueError("kl_in: process_grpo normalises step rewards per group and takes no token rewards; "
+        if self.advantage in ("process_grpo", "grpo_process") and self.kl_coef > 0 and self.kl_in == "reward":
+            raise ValueError(f"kl_in: {self.advantage} normalises step rewards per group and takes no token rewards; "
                              "use kl_in = 'loss'")
         if self.kl_target > 0 and self.kl_coef <= 0:
             raise ValueError("kl_coef: an adaptive KL (kl_target > 0) needs an initial kl_coef > 0")

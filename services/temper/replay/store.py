@@ -81,6 +81,13 @@ COMPACT_EVERY_S = 5.0  # how often inserts look for sparse payload segments to c
 CHECKPOINT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
+# A scored trajectory's reward status. ERROR (a component could not be computed: a PRM's sequence too long, a
+# verifier that failed) is stored like OK: the learner drops such a group when it draws it, counted as
+# ``reward_error`` (temper.learner.batching), so the step it belongs to still counts it. Refused here it would
+# never reach the learner, which would wait for it, and an on-policy job would wait for that step for ever.
+SCORED = (common_pb2.REWARD_STATUS_OK, common_pb2.REWARD_STATUS_ERROR)
+
+
 def validate_group(group: common_pb2.RolloutGroup, field: str = "group") -> None:
     """INVALID_ARGUMENT naming the field unless ``group`` (a RolloutGroup or its wire view) can be stored.
 
@@ -94,7 +101,7 @@ def validate_group(group: common_pb2.RolloutGroup, field: str = "group") -> None
         tokens, logprobs, malformed = array_lengths(t)  # a wire view (wire.py) is counted, not decoded
         tgid, reward = t.group_id, t.reward
         if (malformed or tokens != logprobs or not tokens or (tgid and tgid != gid) or t.policy_version < 0
-                or not t.HasField("reward") or reward.status != common_pb2.REWARD_STATUS_OK
+                or not t.HasField("reward") or reward.status not in SCORED
                 or not math.isfinite(reward.total)):
             _refuse_group(group, field)
 
@@ -113,8 +120,8 @@ def _refuse_group(group, field: str) -> None:
                 f"{t.group_id!r} in group {group.group_id!r}")
         require(t.policy_version >= 0, f"{f}.policy_version", f"must be >= 0, got {t.policy_version}")
         require(t.HasField("reward"), f"{f}.reward", "unscored trajectory")
-        require(t.reward.status == common_pb2.REWARD_STATUS_OK, f"{f}.reward.status",
-                f"reward not OK: {[c.error for c in t.reward.components if c.error]}")
+        require(t.reward.status in SCORED, f"{f}.reward.status",
+                f"unscored (status {common_pb2.RewardStatus.Name(t.reward.status)})")
         require(math.isfinite(t.reward.total), f"{f}.reward.total", "NaN or inf")
     raise AssertionError("unreachable: validate_group found a fault _refuse_group did not")
 

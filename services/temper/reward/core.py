@@ -322,9 +322,10 @@ class Scorer:
         out: list = []
         encoded, slots = [], []
         for i, (c, steps) in enumerate(zip(completions, steps_of)):
+            if not steps or not c.strip():  # the policy wrote nothing: no step to score, and nothing right
+                out.append(Check("prm", 0.0, detail="no steps (empty completion): 0"))
+                continue
             try:
-                if not steps or not c.strip():
-                    raise MalformedSteps("no steps (empty completion)")
                 if len(steps) > self.settings.prm_max_steps:
                     raise MalformedSteps(f"{len(steps)} steps > prm_max_steps {self.settings.prm_max_steps}")
                 encoded.append(prm.encode(prompt, steps))

@@ -129,8 +129,10 @@ def read_topic(bootstrap: str, topic: str, message_type, idle_seconds: float = 2
     committed); one that does not decode is skipped (its offset appended to ``undecodable``)."""
     from kafka import KafkaConsumer, TopicPartition
 
+    from temper.runtime.kafka import client_security
+
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None,
-                             auto_offset_reset="earliest", fetch_max_wait_ms=100)
+                             auto_offset_reset="earliest", fetch_max_wait_ms=100, **client_security())
     try:
         partitions = consumer.partitions_for_topic(topic) or set()
         tps = [TopicPartition(topic, p) for p in sorted(partitions)]
@@ -159,13 +161,17 @@ def read_topic(bootstrap: str, topic: str, message_type, idle_seconds: float = 2
 
 
 def export(bootstrap: str, out: str | Path, scored_topic: str = "scored", traces_topic: str = "sandbox-traces",
-           max_pairs: int = 4) -> dict[str, int]:
+           max_pairs: int = 4, job_id: str = "") -> dict[str, int]:
+    """Write the records of the topics to ``out``; their counts. ``job_id``: that job's groups and execution traces
+    only (traces no job asked for are then left out)."""
     counts = {"groups": 0, "traces": 0, "records": 0, "joined": 0, "unjoined": 0, "undecodable": 0}
     undecodable: list[int] = []
     outcomes: dict[str, dict] = {}  # trajectory id -> its program's per-test outcome
     unlinked: list[dict] = []
     if traces_topic:
         for trace in read_topic(bootstrap, traces_topic, sandbox_pb2.ExecutionTrace, undecodable=undecodable):
+            if job_id and trace.origin.job_id != job_id:
+                continue
             counts["traces"] += 1
             if trace.origin.trajectory_ids:
                 found = per_test_outcomes(trace)
@@ -176,6 +182,8 @@ def export(bootstrap: str, out: str | Path, scored_topic: str = "scored", traces
     used: set[str] = set()
     with open(out, "w") as f:
         for group in read_topic(bootstrap, scored_topic, common_pb2.RolloutGroup, undecodable=undecodable):
+            if job_id and group.job_id != job_id:
+                continue
             counts["groups"] += 1
             for rec in records_from_group(group, max_pairs, outcomes):
                 if "tests" in rec:

@@ -4,7 +4,7 @@ Domains map to composite rewards. ``[reward.domains.NAME]`` applies to the domai
 every domain below it (``math`` covers ``math.linear``); the longest matching name wins. Its
 ``weights`` name the components and their weights in the total:
 
-* verifier components (``exact_answer``, ``math``, ``code.all_pass``, ``code.pass_fraction``,
+* verifier components (``exact_answer``, ``chain_final``, ``math``, ``code.all_pass``, ``code.pass_fraction``,
   ``reasoning_gym``, ``format.*``; see ``temper.reward.verifiers``),
 * ``rm``: the outcome reward model's score of (prompt, completion), in [0, 1],
 * ``prm``: the process reward model's step scores, aggregated by ``prm_aggregation``,
@@ -68,6 +68,8 @@ def default_domains() -> dict[str, DomainSpec]:
         "toy": DomainSpec(weights={"exact_answer": 1.0}),
         "math": DomainSpec(weights={"math": 1.0, "format.boxed": 0.0}),
         "code": DomainSpec(weights={"code.all_pass": 1.0, "code.pass_fraction": 0.0, "format.code_block": 0.0}),
+        # multi-step chains (temper.tasks.chain): one step per line; exact_steps kept for the record (weight 0)
+        "chain": DomainSpec(weights={"chain_final": 1.0, "exact_steps": 0.0}, step_delimiter="\n"),
         "rg": DomainSpec(weights={"reasoning_gym": 1.0, "format.answer_tag": 0.0}),
         # a dataset's rows (temper.tasks.data) name their verifier in task.metadata["verifier"], which replaces
         # these verifier weights (a [reward.domains."data.NAME"] table's rm / prm / length_penalty / safety stay)

@@ -175,6 +175,7 @@ class LabelOptions:
 class LabelRun:
     records: list[dict] = field(default_factory=list)
     rollouts: int = 0
+    rollout_tokens: int = 0  # tokens the rollouts generated (what labelling spent of a generation budget)
     skipped: dict[str, int] = field(default_factory=lambda: {"too_few_steps": 0, "too_many_steps": 0,
                                                               "over_budget": 0, "score_error": 0,
                                                               "step_in_prefix": 0})
@@ -182,7 +183,8 @@ class LabelRun:
 
     def summary(self, budget: int) -> dict:
         return {"labelled": len(self.records), "steps": sum(len(r["steps"]) for r in self.records),
-                "rollouts": self.rollouts, "budget": budget, "skipped": dict(self.skipped),
+                "rollouts": self.rollouts, "rollout_tokens": self.rollout_tokens, "budget": budget,
+                "skipped": dict(self.skipped),
                 "seconds": round(self.seconds, 3),
                 "rollouts_per_second": round(self.rollouts / self.seconds, 2) if self.seconds else 0.0}
 
@@ -240,6 +242,7 @@ def label(trajectories: Sequence[Sampled], generate: Generate, score: Score, opt
         run.rollouts += cost
         assert len(rolled.per_prefix) == len(prefixes) and all(len(r) == k for r in rolled.per_prefix), \
             "generate answered a different number of rollouts"
+        run.rollout_tokens += sum(len(r.token_ids) for rs in rolled.per_prefix for r in rs)
         completions = [Rollout(p + r.text, r.finish_reason, r.token_ids)
                        for p, rs in zip(prefixes, rolled.per_prefix) for r in rs]
         completions.append(Rollout(sampled.completion, sampled.finish_reason))

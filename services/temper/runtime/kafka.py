@@ -9,13 +9,28 @@ every message carries a stable id (group_id, trajectory_id) so handlers are idem
 redelivery never double-counts. A message that cannot be decoded, or that its handler refuses
 as invalid (InvalidArgument), is published to ``<topic>.dlq`` with the error in a header before
 its offset is committed: never silently dropped, never retried forever.
+
+Security (every client below, and every other Kafka client of Temper, takes ``client_security()``): from
+the environment, as the gRPC side takes ``TEMPER_TLS_DIR``.
+
+- ``TEMPER_KAFKA_TLS_DIR``: TLS to the brokers; the folder holds ``ca.crt`` (the brokers' CA) and, for
+  mutual TLS (a Strimzi listener with ``authentication: tls``), ``user.crt`` and ``user.key`` (a Strimzi
+  KafkaUser's Secret, with the cluster CA's ``ca.crt`` beside them).
+- ``TEMPER_KAFKA_SASL_USERNAME`` and ``TEMPER_KAFKA_SASL_PASSWORD_FILE`` (``TEMPER_KAFKA_SASL_MECHANISM``:
+  SCRAM-SHA-512 unless set): SASL, over TLS when the TLS folder is set too.
+
+None set: plaintext, as the embedded broker speaks (Tansu 0.6.0 offers neither: README, Security). A
+setting that cannot be used (a missing file, an unknown mechanism) is a ``ValueError`` naming the
+variable; the password is read from its file and never logged.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 from google.protobuf.message import DecodeError, Message
@@ -40,6 +55,46 @@ ALL_TOPICS = (ROLLOUTS, SCORED, METRICS, SANDBOX_TRACES, ALERTS)
 M = TypeVar("M", bound=Message)
 _log = get_logger(component="kafka")
 
+TLS_DIR_ENV = "TEMPER_KAFKA_TLS_DIR"
+SASL_USERNAME_ENV = "TEMPER_KAFKA_SASL_USERNAME"
+SASL_PASSWORD_FILE_ENV = "TEMPER_KAFKA_SASL_PASSWORD_FILE"
+SASL_MECHANISM_ENV = "TEMPER_KAFKA_SASL_MECHANISM"
+SASL_MECHANISMS = ("SCRAM-SHA-512", "SCRAM-SHA-256", "PLAIN")
+# file names in TEMPER_KAFKA_TLS_DIR: a Strimzi KafkaUser Secret's (user.crt, user.key) and its cluster CA's
+TLS_FILES = {"ca": "ca.crt", "cert": "user.crt", "key": "user.key"}
+
+
+def client_security(env: dict[str, str] | None = None) -> dict:
+    """The kafka-python settings every Temper Kafka client is made with (module docstring, Security)."""
+    env = os.environ if env is None else env
+    out: dict = {}
+    tls_dir = env.get(TLS_DIR_ENV, "")
+    if tls_dir:
+        folder = Path(tls_dir)
+        ca = folder / TLS_FILES["ca"]
+        if not ca.is_file():
+            raise ValueError(f"{TLS_DIR_ENV}: {folder} has no {TLS_FILES['ca']} (the brokers' CA)")
+        out.update(security_protocol="SSL", ssl_cafile=str(ca), ssl_check_hostname=True)
+        cert, key = folder / TLS_FILES["cert"], folder / TLS_FILES["key"]
+        if cert.is_file() != key.is_file():
+            raise ValueError(f"{TLS_DIR_ENV}: {folder} has one of {TLS_FILES['cert']} and {TLS_FILES['key']} "
+                             "without the other (mutual TLS needs both)")
+        if cert.is_file():
+            out.update(ssl_certfile=str(cert), ssl_keyfile=str(key))
+    user = env.get(SASL_USERNAME_ENV, "")
+    if user:
+        password_file = env.get(SASL_PASSWORD_FILE_ENV, "")
+        if not password_file or not Path(password_file).is_file():
+            raise ValueError(f"{SASL_PASSWORD_FILE_ENV}: {password_file or '(unset)'} is not a file (the password "
+                             f"of {SASL_USERNAME_ENV})")
+        mechanism = env.get(SASL_MECHANISM_ENV, "") or SASL_MECHANISMS[0]
+        if mechanism not in SASL_MECHANISMS:
+            raise ValueError(f"{SASL_MECHANISM_ENV}: {mechanism!r} is not one of {', '.join(SASL_MECHANISMS)}")
+        out.update(security_protocol="SASL_SSL" if tls_dir else "SASL_PLAINTEXT", sasl_mechanism=mechanism,
+                   sasl_plain_username=user,
+                   sasl_plain_password=Path(password_file).read_text().strip())
+    return out
+
 
 def ensure_topics(bootstrap: str, topics: tuple[str, ...] = ALL_TOPICS, partitions: int = 1,
                   timeout: float = 30.0) -> None:
@@ -47,7 +102,7 @@ def ensure_topics(bootstrap: str, topics: tuple[str, ...] = ALL_TOPICS, partitio
     deadline = time.monotonic() + timeout
     while True:
         try:
-            admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="temper-admin")
+            admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="temper-admin", **client_security())
             break
         except KafkaError:
             if time.monotonic() > deadline:
@@ -65,14 +120,28 @@ def ensure_topics(bootstrap: str, topics: tuple[str, ...] = ALL_TOPICS, partitio
         admin.close()
 
 
-def messages_in(bootstrap: str, topic: str) -> int:
-    """How many messages ``topic`` has ever held: the sum of its partitions' end offsets (0 for a topic the
+def messages_in(bootstrap: str, topic: str, timeout: float = 10.0) -> int:
+    """How many messages ``topic`` has ever held: the sum of its partitions' high watermarks (0 for a topic the
     broker does not have). Offsets only grow on one broker, so a count below what a producer knows it
-    published there means this is another broker (a new embedded one starts empty)."""
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False)
+    published there means this is another broker (a new embedded one starts empty). The high watermark is
+    read from a fetch response: ListOffsets (``end_offsets``) is short on Tansu's s3 engine (1 for a
+    partition of 5 messages), the fetch's watermark is not."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
+                             fetch_max_wait_ms=50, max_partition_fetch_bytes=64 * 1024, **client_security())
     try:
         tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
-        return sum(consumer.end_offsets(tps).values()) if tps else 0
+        if not tps:
+            return 0
+        ends = consumer.end_offsets(tps)
+        consumer.assign(tps)
+        for tp in tps:  # a fetch from just below the (possibly short) end: its response carries the watermark
+            consumer.seek(tp, max(ends[tp] - 1, 0))
+        deadline = time.monotonic() + timeout
+        while any(consumer.highwater(tp) is None for tp in tps):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{topic}: no fetch answered in {timeout}s")
+            consumer.poll(100)
+        return sum(max(ends[tp], consumer.highwater(tp)) for tp in tps)
     finally:
         consumer.close()
 
@@ -82,7 +151,8 @@ class ProtoProducer:
 
     def __init__(self, bootstrap: str, client_id: str):
         self._producer = KafkaProducer(bootstrap_servers=bootstrap, client_id=client_id, acks="all",
-                                       enable_idempotence=True, linger_ms=5, compression_type="lz4")
+                                       enable_idempotence=True, linger_ms=5, compression_type="lz4",
+                                       **client_security())
 
     def send(self, topic: str, key: str, message: Message, extra_headers: list[tuple[str, bytes]] = ()):
         """Queue ``message``; returns the send future (``.get()`` waits for the broker's ack)."""
@@ -138,7 +208,7 @@ class ProtoConsumer:
         self._consumer = KafkaConsumer(
             *([] if shard else [topic]), bootstrap_servers=bootstrap, group_id=group_id, client_id=group_id,
             enable_auto_commit=False, auto_offset_reset="earliest",
-            session_timeout_ms=6000, heartbeat_interval_ms=2000, fetch_max_wait_ms=50)
+            session_timeout_ms=6000, heartbeat_interval_ms=2000, fetch_max_wait_ms=50, **client_security())
         if shard is not None:
             try:
                 partitions = shard_partitions(self._consumer, topic, *shard)
@@ -165,12 +235,21 @@ class ProtoConsumer:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                batches = self._consumer.poll(timeout_ms=200, max_records=self._max_poll_records)
+                try:
+                    batches = self._consumer.poll(timeout_ms=200, max_records=self._max_poll_records)
+                except KafkaError as e:  # the broker gone or restarting: the client reconnects by itself
+                    _log.warning("poll failed; retrying", topic=self.topic, error=f"{type(e).__name__}: {e}")
+                    self._stop.wait(self._retry_backoff)
+                    continue
                 for tp, records in batches.items():
                     for record in records:
                         if self._stop.is_set() or not self._handle(tp, record):
                             break
-                        self._consumer.commit({tp: OffsetAndMetadata(record.offset + 1, "", -1)})
+                        try:
+                            self._consumer.commit({tp: OffsetAndMetadata(record.offset + 1, "", -1)})
+                        except KafkaError as e:  # not committed: delivered again later (handlers are idempotent)
+                            _log.warning("commit failed", topic=self.topic, offset=record.offset,
+                                         error=f"{type(e).__name__}: {e}")
         except Exception:  # noqa: BLE001 - log, the service's health reflects the dead thread
             _log.exception("consumer loop died", topic=self.topic)
             raise

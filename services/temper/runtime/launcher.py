@@ -38,7 +38,11 @@ supervisor's restart never interleave.
 
 The broker (Tansu) cannot bind port 0 and report it, so its port is picked free just before it
 starts; if another process takes it first, Tansu's "address in use" error is recognised in its
-log and a new port is picked (``broker.start_broker_on_free_port``).
+log and a new port is picked (``broker.start_broker_on_free_port``). It is supervised too: with
+``[broker] storage = "s3"`` (a local object store, ``broker-storage`` in the state, its data in
+``<home>/data/broker``, kept across ``down``/``up`` as the services' data is) a crashed broker, or
+one whose store crashed, is started again on its port; with the default memory storage its topics
+died with it, so it is marked failed with that reason instead (``temper.runtime.broker``).
 """
 
 from __future__ import annotations
@@ -67,7 +71,8 @@ from temper import jobs
 from temper.client.discovery import target_of
 from temper.client.transport import AUTH_TOKEN_FILE_ENV, TLS_DIR_ENV
 from temper.runtime.auth import AuthConfig, write_token
-from temper.runtime.broker import start_broker_on_free_port
+from temper.runtime.broker import (BrokerConfig, start_broker, start_broker_on_free_port, start_object_store,
+                                   store_env)
 from temper.runtime.config import ServiceConfig, wiring
 from temper.runtime.rpc import check_health
 from temper.runtime.service import read_port_file
@@ -100,6 +105,7 @@ class State:
     config: str
     broker: Proc | None = None
     services: dict[str, Proc] = field(default_factory=dict)
+    broker_storage: Proc | None = None  # [broker] storage = "s3": the object store the broker keeps its logs in
     stopping: bool = False      # `down` has begun: nothing is restarted any more
     supervisor_pid: int = 0     # the detached supervisor `temper up` left (0: none, or a thread of the up process)
     auth_token_file: str = ""   # [auth] mode = "token": the token's file (its path only; services get it in their env)
@@ -200,7 +206,8 @@ class Launcher:
             return None
         raw = json.loads(self.state_file.read_text())
         broker = Proc(**raw["broker"]) if raw.get("broker") else None
-        return State(home=raw["home"], config=raw["config"], broker=broker,
+        storage = Proc(**raw["broker_storage"]) if raw.get("broker_storage") else None
+        return State(home=raw["home"], config=raw["config"], broker=broker, broker_storage=storage,
                      services={k: Proc(**v) for k, v in raw.get("services", {}).items()},
                      stopping=raw.get("stopping", False), supervisor_pid=raw.get("supervisor_pid", 0),
                      auth_token_file=raw.get("auth_token_file", ""), tls_dir=raw.get("tls_dir", ""))
@@ -261,11 +268,13 @@ class Launcher:
             raise ValueError(f"unknown service(s) {unknown}; known: {list(SERVICES)}")
         names = [n for n in SERVICES if n in names]
         state = self.load()
-        if state and any(pid_alive(p.pid) for p in [*state.services.values(), *([state.broker] if state.broker else [])]):
+        if state and any(pid_alive(p.pid) for p in [*state.services.values(), *filter(None, [state.broker,
+                                                                                           state.broker_storage])]):
             raise RuntimeError(f"Temper is already up in {self.home} (run `temper down` first)")
         cfg = self.config()
         policy = LauncherConfig.from_config(cfg, self.config_path)
         auth = AuthConfig.from_config(cfg, self.config_path)
+        broker = BrokerConfig.from_config(cfg, self.config_path)
         # the model is resolved (the tiny recipe built) before anything starts, and only if a service loads it
         needs_model = any(w.get("model") for n in names for w in wiring(config_class(n)).values())
         model_dir = self._model_dir(cfg) if needs_model else None
@@ -284,8 +293,7 @@ class Launcher:
             os.environ.update(own)
         deadline = time.monotonic() + timeout
         try:
-            proc, port = start_broker_on_free_port(logs / "broker.log")
-            state.broker = Proc("broker", proc.pid, f"127.0.0.1:{port}", str(logs / "broker.log"))
+            state.broker, state.broker_storage = self._start_broker(broker, logs)
             self._save(state)
             from temper.runtime.kafka import ensure_topics
             # one partition per reward replica: each member of the consumer group scores its share of `rollouts`;
@@ -312,6 +320,66 @@ class Launcher:
             self.down()
             raise
         return state
+
+    def _start_broker(self, config: BrokerConfig, logs: Path, port: int | None = None,
+                      storage: Proc | None = None) -> tuple[Proc, Proc | None]:
+        """The broker (on ``port``, else one picked free) and, for s3 storage, its object store (``storage`` if
+        it still runs, else a new one on the same data); both are this launcher's children."""
+        env = None
+        if config.storage == "s3":
+            if storage is None or not pid_alive(storage.pid):
+                log = logs / "broker-storage.log"
+                proc, endpoint = start_object_store(self.home / "data" / "broker", log)
+                self._children[proc.pid] = proc
+                storage = Proc("broker-storage", proc.pid, endpoint, str(log), started_at=time.time(),
+                               restarts=storage.restarts + 1 if storage else 0)
+            env = store_env(storage.address)
+        log = logs / "broker.log"
+        if port is None:
+            proc, port = start_broker_on_free_port(log, engine=config.engine, env=env)
+        else:
+            proc = start_broker(port, log, engine=config.engine, env=env)
+        self._children[proc.pid] = proc
+        return Proc("broker", proc.pid, f"127.0.0.1:{port}", str(log), started_at=time.time()), storage
+
+    def broker_exit(self) -> Exit | None:
+        """None while the broker (and its object store, if any) runs; else how the one that ended ended."""
+        state = self.load()
+        if state is None or state.broker is None:
+            return None
+        exit = self.exit_of(state.broker.pid)
+        if exit is None and state.broker_storage is not None:
+            exit = self.exit_of(state.broker_storage.pid)
+        return exit
+
+    def not_restartable(self, name: str) -> str:
+        """Why the supervisor must not restart ``name`` after a crash ("": it may)."""
+        if name == "broker" and BrokerConfig.from_config(self.config(), self.config_path).storage == "memory":
+            return ("its storage is memory: its topics, offsets and producer ids ended with it, so it is not "
+                    "restarted (a job survives a broker crash with [broker] storage = \"s3\")")
+        return ""
+
+    def _restart_broker(self, pid: int, reason: str) -> Proc | None:
+        with self._service_lock("broker"):
+            state = self.load()
+            if state is None or state.stopping or state.broker is None:
+                return None
+            old = state.broker
+            if old.pid != pid or old.stopped or old.failed:
+                return None
+            if pid_alive(old.pid):  # its object store ended: the broker goes too, and both start again
+                _terminate([old], 5.0)
+                self.exit_of(old.pid)
+                reason = f"its object store {reason}"
+            config = BrokerConfig.from_config(self.config(), self.config_path)
+            new, storage = self._start_broker(config, Path(old.log).parent, int(old.address.rsplit(":", 1)[1]),
+                                              state.broker_storage)
+            new.restarts, new.last_exit = old.restarts + 1, reason
+
+            def put(s: State) -> None:
+                s.broker, s.broker_storage = new, storage
+            self._update(put)
+            return new
 
     def _start_supervisor_process(self, logs: Path, state: State) -> int:
         with open(logs / "supervisor.log", "ab") as log:
@@ -435,6 +503,8 @@ class Launcher:
     def restart_crashed(self, name: str, pid: int, reason: str, timeout: float = 60.0) -> Proc | None:
         """The supervisor's restart of ``name`` after process ``pid`` ended (``reason``); None (nothing done)
         when the stack is stopping, the service was stopped on purpose, or someone already started it again."""
+        if name == "broker":
+            return self._restart_broker(pid, reason)
         with self._service_lock(name):
             state = self.load()
             if state is None or state.stopping or name not in state.services:
@@ -451,12 +521,14 @@ class Launcher:
         def mark(state: State) -> None:
             if name in state.services:
                 state.services[name].failed = message
+            elif name == "broker" and state.broker is not None:
+                state.broker.failed = message
         self._update(mark)
 
     def raise_if_failed(self) -> None:
         """A RuntimeError naming each service the supervisor gave up on, with its log's end (for a job's loop)."""
         state = self.load()
-        failed = [p for p in (state.services.values() if state else []) if p.failed]
+        failed = [p for p in ([*filter(None, [state.broker]), *state.services.values()] if state else []) if p.failed]
         if failed:
             raise RuntimeError("; ".join(f"{p.failed}; its log ({p.log}) ends:\n{_tail(p.log, 15)}" for p in failed))
 
@@ -528,9 +600,10 @@ class Launcher:
             return []
         tls_dir = tls_dir_of(state.tls_dir, CLIENT)
         rows = []
-        if state.broker:
-            rows.append({"name": "broker", "address": state.broker.address, "pid": state.broker.pid,
-                         "health": "RUNNING" if pid_alive(state.broker.pid) else "DEAD"})
+        for p in filter(None, [state.broker, state.broker_storage]):
+            rows.append({"name": p.name, "address": p.address, "pid": p.pid,
+                         "health": "RUNNING" if pid_alive(p.pid) else "FAILED" if p.failed else "DEAD",
+                         "metrics": "-", "restarts": p.restarts, "last_exit": p.last_exit, "failed": p.failed})
         if state.supervisor_pid:
             rows.append({"name": "supervisor", "address": "-", "pid": state.supervisor_pid,
                          "health": "RUNNING" if pid_alive(state.supervisor_pid) else "DEAD"})
@@ -561,13 +634,13 @@ class Launcher:
             self.supervisor = None
         if state.supervisor_pid:
             _terminate([Proc("supervisor", state.supervisor_pid, "", "")], 10.0)
-        for name in state.services:  # a restart under way finishes (and records its pid) before we read them
+        for name in [*state.services, "broker"]:  # a restart under way finishes (and records its pid) first
             with self._service_lock(name):
                 pass
         state = self.load()
         self.jobs_ended = self._end_jobs(state)
         procs = [p for s in reversed(SERVICES) for n, p in state.services.items() if service_of(n) == s]
-        stopped = _terminate(procs, grace) + (_terminate([state.broker], 5.0) if state.broker else [])
+        stopped = _terminate(procs, grace) + _terminate([p for p in (state.broker, state.broker_storage) if p], 5.0)
         self.reap()
         if self._own_env is not None:  # this process's SDK calls go back to what they were
             for key, value in self._own_env.items():

@@ -49,7 +49,7 @@ from pydantic import ValidationError
 from temper.client.transport import MAX_MESSAGE_BYTES
 from temper.runtime.auth import TokenAuthInterceptor, server_token
 from temper.runtime.config import ServiceConfig, describe_errors, load_config
-from temper.runtime.logs import setup_logging
+from temper.runtime.logs import get_logger, setup_logging
 from temper.runtime.rpc import AdmissionInterceptor, ErrorMappingInterceptor
 from temper.runtime.tls import server_credentials
 from temper.runtime.tracing import setup_tracing, shutdown_tracing, traced_method
@@ -127,6 +127,35 @@ def _server(config: ServiceConfig, name: str, token: str = "") -> grpc.Server:
     )
 
 
+def _bind(config: ServiceConfig, name: str, prog: str) -> tuple[grpc.Server, str, str, object]:
+    """The service's server (auth and TLS as the environment says), bound to its port: (server, address,
+    token, credentials); exits naming the problem when it cannot be."""
+    try:
+        token = server_token()
+        credentials = server_credentials()
+    except RuntimeError as e:
+        sys.exit(f"{prog}: {e}")
+    server = _server(config, name, token)
+    bind = f"{config.host}:{config.port}"
+    port = server.add_insecure_port(bind) if credentials is None else server.add_secure_port(bind, credentials)
+    if port == 0:
+        sys.exit(f"{prog}: cannot bind {config.host}:{config.port}")
+    return server, f"{config.host}:{port}", token, credentials
+
+
+def serve_health(config: ServiceConfig, name: str) -> tuple[grpc.Server, health.HealthServicer, str]:
+    """A started server with grpc.health.v1 only, NOT_SERVING until set, on the service's port (auth and
+    TLS as ``run``'s): for a process of a service that answers no call of its own but is probed as its
+    pod (a learner's first rank on another host, started by torchrun)."""
+    server, address, _, _ = _bind(config, name, f"temper-{name}")
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer.set("", _NOT_SERVING)
+    server.start()
+    get_logger(service=name).info("health only", address=address)
+    return server, health_servicer, address
+
+
 def run(service_cls: type[Service], argv: list[str] | None = None) -> None:
     """Run ``service_cls`` until SIGTERM/SIGINT: the lifecycle of the module docstring."""
     argv = sys.argv[1:] if argv is None else argv
@@ -137,6 +166,12 @@ def run(service_cls: type[Service], argv: list[str] | None = None) -> None:
         fields = ", ".join(".".join(map(str, err["loc"])) or "config" for err in e.errors())
         lines = describe_errors(service_cls.config_class, e, argv)
         sys.exit(f"{prog}: invalid configuration ({fields}):\n" + "\n".join(lines))
+    from temper.runtime.kafka import client_security
+
+    try:  # a Kafka TLS/SASL setting that cannot be used stops the start at once, naming the variable
+        client_security()
+    except ValueError as e:
+        sys.exit(f"{prog}: {e}")
     service = service_cls(config)
     log = setup_logging(service.name, config.log_level)
     setup_tracing(service.name, config.trace_file, config.otlp_endpoint, otlp_tls=config.otlp_uses_tls(),
@@ -146,17 +181,7 @@ def run(service_cls: type[Service], argv: list[str] | None = None) -> None:
     if config.metrics_port >= 0:
         metrics_server, _ = start_http_server(config.metrics_port, addr=config.host)
         metrics_port = metrics_server.server_port
-    try:
-        token = server_token()
-        credentials = server_credentials()
-    except RuntimeError as e:
-        sys.exit(f"{prog}: {e}")
-    server = _server(config, service.name, token)
-    bind = f"{config.host}:{config.port}"
-    port = server.add_insecure_port(bind) if credentials is None else server.add_secure_port(bind, credentials)
-    if port == 0:
-        sys.exit(f"{prog}: cannot bind {config.host}:{config.port}")
-    address = f"{config.host}:{port}"
+    server, address, token, credentials = _bind(config, service.name, prog)
     if config.port_file:
         write_port_file(config.port_file, address, metrics_port)
     log.info("bound", address=address, metrics_port=metrics_port, auth="token" if token else "none",

@@ -1,6 +1,7 @@
 """Supervision of the embedded mode: a crashed service is started again, with backoff.
 
-As the kubelet restarts a pod's container: the supervisor notices that a service's process is
+As the kubelet restarts a pod's container: the supervisor notices that a service's process (or the
+broker's, or its object store's: ``Launcher.broker_exit``) is
 gone (the launcher's own children are reaped, so a dead one never lingers as a zombie and its
 exit status is known),
 decides from the ``[launcher]`` restart policy whether to start it again, waits
@@ -143,7 +144,8 @@ class Supervisor:
             if state is None or state.stopping:
                 return
             self.launcher.reap()
-            for name, p in state.services.items():
+            watched = {**({"broker": state.broker} if state.broker else {}), **state.services}
+            for name, p in watched.items():
                 if self._stop.is_set():
                     return
                 try:
@@ -160,13 +162,17 @@ class Supervisor:
         if p.stopped or p.failed:
             return
         if w.due is None:
-            exit = self.launcher.exit_of(p.pid)
+            exit = self.launcher.broker_exit() if name == "broker" else self.launcher.exit_of(p.pid)
             if exit is None:
                 return
             w.exit = exit
             ran = time.time() - p.started_at if p.started_at else 0.0
             if ran >= self.policy.stable_seconds:
                 w.in_a_row = 0
+            why_not = self.launcher.not_restartable(name)
+            if why_not:
+                self._give_up(name, f"{name} {exit.describe()}; {why_not}")
+                return
             if not self.policy.restarts(exit):
                 self._give_up(name, f"{name} {exit.describe()}; [launcher] restart = \"{self.policy.restart}\"")
                 return
@@ -187,7 +193,8 @@ class Supervisor:
             new = self.launcher.restart_crashed(name, w.pid, w.exit.describe() if w.exit else "")
         except (RuntimeError, TimeoutError) as e:  # it died again while starting: the next crash of the loop
             self._note(name, f"{name} restart failed: {e}")
-            self._watches[name] = _Watch(self.launcher.load().services[name].pid, w.in_a_row)
+            state = self.launcher.load()
+            self._watches[name] = _Watch((state.broker if name == "broker" else state.services[name]).pid, w.in_a_row)
             return
         if new is None:  # someone else started it (or the stack is stopping)
             return

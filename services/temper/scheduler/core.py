@@ -87,6 +87,7 @@ MAX_STEPS = 1_000_000
 DIFFICULTY_KEY = "temper.difficulty"  # task metadata: the curriculum level the task was drawn at
 MAX_GROUPS_PER_STEP = 4096
 MAX_GROUP_SIZE = 1024
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 
 
 @dataclass
@@ -105,6 +106,7 @@ class JobSpec:
     eval: EvalConfig = field(default_factory=EvalConfig)
     response_prefix: str = ""  # with chat_template: the prefilled start of every answer (scored with it)
     sampling: dict = field(default_factory=dict)  # the [job.sampling] table (temper.scheduler.sampling)
+    stop: list[str] = field(default_factory=list)  # an answer ends after the first of these (training and eval)
 
     @classmethod
     def from_dict(cls, job: dict) -> JobSpec:
@@ -132,7 +134,7 @@ class JobSpec:
                    group_size=p.group_size, domains=list(p.domains) or ["toy.copy", "toy.next"],
                    max_policy_lag=p.max_policy_lag, temperature=p.temperature, max_tokens=p.max_tokens, seed=p.seed,
                    domain_config=config, chat_template=p.chat_template, eval=EvalConfig.from_proto(p.eval),
-                   response_prefix=p.response_prefix, sampling=_json_table(p.sampling, "sampling"))
+                   response_prefix=p.response_prefix, sampling=_json_table(p.sampling, "sampling"), stop=list(p.stop))
         spec.validate()
         return spec
 
@@ -163,9 +165,14 @@ class JobSpec:
         require(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
         require(len(self.domains) > 0, "domains", "at least one domain")
         require(not self.response_prefix or self.chat_template, "response_prefix", "needs chat_template = true")
+        require(isinstance(self.stop, list) and all(isinstance(s, str) for s in self.stop), "stop",
+                "must be a list of strings")
+        require(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        for s in self.stop:
+            require(0 < len(s) <= MAX_STOP_CHARS, "stop", f"each string 1 to {MAX_STOP_CHARS} characters, got {s!r:.80}")
         for d in self.domains:
             require(domain_known(d), "domains",
-                    f"unknown domain {d!r}; families: toy.*, math.*, code.*, rg.<reasoning-gym family>, "
+                    f"unknown domain {d!r}; families: toy.*, math.*, code.*, chain.*, rg.<reasoning-gym family>, "
                     f"data.<name> (a dataset file declared in domain_config)")
         ev = self.eval
         require(0 <= ev.size <= MAX_EVAL_SIZE, "eval.size", f"must be in [0, {MAX_EVAL_SIZE}], got {ev.size}")
@@ -208,7 +215,8 @@ class JobSpec:
                                                     for d, c in self.domain_config.items()},
                                      chat_template=self.chat_template, eval=self.eval.to_proto(),
                                      response_prefix=self.response_prefix,
-                                     sampling=json.dumps(self.sampling, sort_keys=True) if self.sampling else "")
+                                     sampling=json.dumps(self.sampling, sort_keys=True) if self.sampling else "",
+                                     stop=self.stop)
 
 
 def _json_table(text: str, field_name: str) -> dict:

@@ -90,7 +90,7 @@ class SchedulerService(Service[SchedulerConfig]):
             def on(replica: InferenceClient):
                 return lambda part, part_seed: replica.generate(
                     part, n=s.group_size, temperature=s.temperature, max_tokens=s.max_tokens, seed=part_seed,
-                    apply_chat_template=s.chat_template, assistant_prefix=s.response_prefix)
+                    apply_chat_template=s.chat_template, assistant_prefix=s.response_prefix, stop=s.stop)
 
             answering = self.answering_replicas(len(prompts))
             if not answering:  # one call over the round_robin channel, as without replicas
@@ -109,7 +109,8 @@ class SchedulerService(Service[SchedulerConfig]):
 
         def answer(prompts, max_tokens: int, n: int, temperature: float, seed: int):
             return evaluator.generate(prompts, n=n, temperature=temperature, max_tokens=max_tokens, seed=seed,
-                                      apply_chat_template=spec.chat_template, assistant_prefix=spec.response_prefix)
+                                      apply_chat_template=spec.chat_template, assistant_prefix=spec.response_prefix,
+                                      stop=spec.stop)
 
         def publish(group):
             self.producer.send(kafka.ROLLOUTS, group.group_id, group).get(config.publish_timeout_seconds)

@@ -2,7 +2,8 @@
 
 Families by prefix: ``toy.*`` (tiny-vocabulary exact answers, ``toy``), ``math.*`` (LaTeX
 answers, ``math_problems``), ``code.*`` (test suites run in the sandbox, ``code_problems``),
-``rg.<family>`` (reasoning-gym's procedural tasks, ``gym``), ``data.<name>`` (the rows of a dataset file the job
+``chain.*`` (multi-step arithmetic, one step per line, ``chain``), ``rg.<family>`` (reasoning-gym's
+procedural tasks, ``gym``), ``data.<name>`` (the rows of a dataset file the job
 declares in its domain_config, ``data``). Modules are imported on first use
 (reasoning-gym and sympy take a second to import).
 """
@@ -16,7 +17,7 @@ from temper.runtime.errors import InvalidArgument
 from temper.v1 import common_pb2
 
 FAMILIES = {"toy": "temper.tasks.toy", "math": "temper.tasks.math_problems", "code": "temper.tasks.code_problems",
-            "rg": "temper.tasks.gym", "data": "temper.tasks.data"}
+            "chain": "temper.tasks.chain", "rg": "temper.tasks.gym", "data": "temper.tasks.data"}
 CONFIGURABLE = ("rg", "data")  # families that take options of their own
 
 

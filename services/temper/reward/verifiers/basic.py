@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from temper.reward.steps import split_steps
 from temper.reward.verifiers import Check, StepVerifier, Verifier, extract, register, short
-from temper.tasks import toy
+from temper.tasks import chain, toy
 
 
 @register
@@ -41,6 +41,28 @@ class ExactSteps(StepVerifier):
             value = sum(scores) / max(len(scores), len(want), 1)
             out.append([Check(self.name, value, detail=f"{int(sum(scores))}/{len(want)} steps right, "
                                                        f"{len(scores)} given", steps=scores)])
+        return out
+
+
+@register
+class ChainFinal(Verifier):
+    """The outcome of a multi-step chain (``temper.tasks.chain``): 1 if the answer's step lines (before its
+    first blank line) are as many as the reference's and the last one ends "= <the reference's final
+    result>", else 0. Intermediate steps are not checked here (``exact_steps`` or a PRM does that)."""
+
+    name = "chain_final"
+    components = ("chain_final",)
+
+    def verify(self, completions: Sequence[str], prepared: str) -> list[list[Check]]:
+        want = chain.answer_lines(prepared)
+        final = chain.result_of(want[-1]) if want else None
+        out = []
+        for c in completions:
+            mine = chain.answer_lines(c)
+            got = chain.result_of(mine[-1]) if mine else None
+            right = final is not None and len(mine) == len(want) and got == final
+            out.append([Check(self.name, float(right),
+                              detail=short(f"{len(mine)}/{len(want)} step lines, final {got!r}"))])
         return out
 
 
