@@ -21,6 +21,7 @@ from kafka import KafkaConsumer
 from kafka.structs import TopicPartition
 
 from temper.client.sdk import InferenceClient, LearnerClient, ReplayClient
+from temper.learner import checkpoint
 from temper.learner.loop import LearnerLoop
 from temper.learner.trainer import Trainer, TrainerConfig
 from temper.models.tiny import build_tiny_model
@@ -192,8 +193,10 @@ def test_groups_with_reward_errors_never_stall_the_job_every_policy_version_adva
     replay.insert(groups[12:])  # batch 4: all good
     wait_until(lambda: learner.status().step >= start.step + 3, 60, what="a step after the all-bad batch")
     status = learner.status()
-    assert status.step == start.step + 3 and status.policy_version == start.policy_version + 3
-    assert inference.policy_version() == status.policy_version  # every step's weights were pushed
+    # 3 steps trained; the all-bad batch trained nothing and still made a version (the same weights), so a
+    # scheduler waiting for one version per step goes on
+    assert status.step == start.step + 3 and status.policy_version == start.policy_version + 4
+    assert inference.policy_version() == status.policy_version  # every version's weights were pushed
     drops = {r: n - start.dropped_by_reason.get(r, 0) for r, n in status.dropped_by_reason.items()}
     assert {r: n for r, n in drops.items() if n} == {"reward_error": 4, "too_long": 1, "invalid": 1}
     assert status.skipped_batches == start.skipped_batches + 1  # the all-bad batch, drawn past
@@ -235,12 +238,14 @@ def test_bad_groups_through_the_loop_are_dropped_counted_and_the_rest_trains(tmp
     def group(gid, *trajectories):
         return common_pb2.RolloutGroup(group_id=gid, job_id="j", trajectories=list(trajectories))
 
-    # batches with nothing left to train on: refused (counted by field), weights untouched
+    # batches with nothing left to train on: refused (counted by field), weights untouched; each consumed
+    # batch still advances the policy version (the empty one consumed nothing)
     for groups in ([group("a", traj(), traj(reward=float("nan")))], [group("b", traj(logprobs=(-1.0,)))],
                    [group("c", traj(logprobs=(-1.0, float("inf"))))], []):
         assert loop.train_on(groups) is None
     s = loop.state
     assert s.skipped_batches == 4 and s.step == 0 and s.dropped_by_reason == {"invalid": 3}
+    assert s.policy_version == trainer.policy_version == 3
     assert s.skipped_by_field == {"groups[].trajectories[].reward.total": 1,
                                   "groups[].trajectories[].completion_logprobs": 2, "groups": 4}
     assert all(torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
@@ -255,7 +260,7 @@ def test_bad_groups_through_the_loop_are_dropped_counted_and_the_rest_trains(tmp
              group("long", traj(prompt=[2] + [5] * 126), traj()),  # 127 + 2 tokens > the context of 128
              group("good2", traj(0.5), traj(0.0))]
     metrics = loop.train_on(mixed)
-    assert metrics.step == 1 and metrics.samples == 4 and loop.state.step == 1
+    assert metrics.step == 1 and metrics.policy_version == 4 and metrics.samples == 4 and loop.state.step == 1
     v = metrics.values
     assert (v["dropped_groups"], v["dropped_reward_error"], v["dropped_invalid"], v["dropped_too_long"],
             v["dropped_stale"]) == (5, 3, 1, 1, 0)
@@ -263,8 +268,12 @@ def test_bad_groups_through_the_loop_are_dropped_counted_and_the_rest_trains(tmp
     assert s.skipped_batches == 4 and s.skipped_by_field["groups[].trajectories"] == 1
     assert trainer.data_position["last_group_ids"] == ["good", "good2"]
     path, step, version = loop.checkpoint()
-    assert (step, version) == (1, 1) and (path / "trainer.json").exists()
+    assert (step, version) == (1, 4) and (path / "trainer.json").exists()
     assert loop.checkpoint()[0] == path  # same state again: the same checkpoint
+    assert loop.train_on([group("d", traj(reward=float("nan")))]) is None  # the next version, no update
+    later, step, version = loop.checkpoint()
+    assert (step, version) == (1, 5) and later != path and checkpoint.version_of(path) == 4
+    assert checkpoint.latest(tmp_path / "ckpt") == later.resolve()
 
     # stale groups (max_staleness) are dropped and counted the same way
     trainer.config.max_staleness = 0

@@ -199,6 +199,9 @@ def test_steps_lists_a_jobs_series_oldest_first_and_survives_a_restart(tmp_path)
     m.add_scored(group("other", 0, 0, 1))
     for step in (1, 2):
         m.add_metrics(common_pb2.StepMetrics(job_id="j", step=step, seconds=0.5 * step, values={"kl_ref": 0.01}))
+    for step in (0, 2):  # batches that trained nothing (before any step, after step 2): no point on a curve
+        assert m.add_metrics(common_pb2.StepMetrics(job_id="j", step=step, policy_version=9, samples=0,
+                                                    values={"skipped_batch": 1.0, "dropped_groups": 4.0})) == []
     found = m.steps("j")
     assert [(src, d) for src, d, _ in found] == [("metrics", "*"), ("scored", "toy.copy")]
     (_, _, metrics), (_, _, copy) = found

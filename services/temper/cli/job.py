@@ -51,6 +51,7 @@ class Followed:
     status: scheduler_pb2.JobStatus
     alerts: list = field(default_factory=list)    # the monitor's alerts for the job (monitor_pb2.Alert)
     samples: dict = field(default_factory=dict)   # scheduler step -> a few scored samples (dicts)
+    skipped: list = field(default_factory=list)   # StepMetrics of batches that trained nothing (samples 0)
 
     @property
     def paused(self) -> bool:
@@ -80,6 +81,7 @@ def follow_job(state: State, spec: JobSpec, timeout: float, echo=print, check=No
     status = scheduler.start_job(spec.to_proto())
     job_id = status.job_id
     steps: dict[int, common_pb2.StepMetrics] = {}
+    skipped: dict[int, common_pb2.StepMetrics] = {}  # policy version -> a batch that trained nothing
     samples: dict[int, list[dict]] = {}
     evals_seen = 0
     scored_ids: set[str] = set()  # the job's groups with an OK reward seen on `scored` (what the scheduler learns)
@@ -93,7 +95,8 @@ def follow_job(state: State, spec: JobSpec, timeout: float, echo=print, check=No
             if time.monotonic() > deadline:
                 raise JobTimedOut(f"job {job_id}: {len(steps)} of {spec.steps} steps after {timeout:.0f}s",
                                   Followed([steps[k] for k in sorted(steps)], status, [],
-                                           {k: v for k, v in sorted(samples.items()) if v}))
+                                           {k: v for k, v in sorted(samples.items()) if v},
+                                           [skipped[k] for k in sorted(skipped)]))
             for part, records in consumer.poll(timeout_ms=500).items():
                 for r in records:
                     if part == tp_scored:
@@ -105,7 +108,16 @@ def follow_job(state: State, spec: JobSpec, timeout: float, echo=print, check=No
                             kept.extend(_sample(g, t) for t in g.trajectories[:SAMPLES_PER_STEP - len(kept)])
                         continue
                     m = common_pb2.StepMetrics.FromString(r.value)
-                    if m.job_id != job_id or m.step in steps:
+                    if m.job_id == job_id and m.values.get("skipped_batch") and m.policy_version not in skipped:
+                        # every group of the batch dropped: no update, but the version (one per step) advanced
+                        skipped[m.policy_version] = m
+                        bar.update(1)
+                        reasons = "  ".join(f"{k[8:]} {v:.0f}" for k, v in sorted(m.values.items())
+                                            if k.startswith("dropped_") and k != "dropped_groups" and v)
+                        tqdm.write(f"policy v{m.policy_version}: batch skipped, all {m.values.get('dropped_groups', 0):.0f}"
+                                   f" groups dropped ({reasons or 'refused'}); weights unchanged")
+                        continue
+                    if m.job_id != job_id or m.values.get("skipped_batch") or m.step in steps:
                         continue
                     steps[m.step] = m
                     bar.update(1)
@@ -145,7 +157,7 @@ def follow_job(state: State, spec: JobSpec, timeout: float, echo=print, check=No
             evals_seen = len(job.evals)
             if job.state in (scheduler_pb2.JOB_STATE_FAILED, scheduler_pb2.JOB_STATE_STOPPED):
                 raise RuntimeError(f"job {job_id} {scheduler_pb2.JobState.Name(job.state)}: {job.error}")
-            if len(steps) >= spec.steps and job.state == scheduler_pb2.JOB_STATE_DONE:
+            if len(steps) + len(skipped) >= spec.steps and job.state == scheduler_pb2.JOB_STATE_DONE:
                 status = _catch_up(consumer, tp_scored, scheduler, job, scored_ids)
                 break
     finally:
@@ -159,7 +171,7 @@ def follow_job(state: State, spec: JobSpec, timeout: float, echo=print, check=No
         for a in alerts:
             echo(f"ALERT {a.detector} [{a.domain}] step {a.step}: {a.message} -> {a.action_result or 'warned'}")
     return Followed([steps[k] for k in sorted(steps)][:spec.steps], status, alerts,
-                    {k: v for k, v in sorted(samples.items()) if v})
+                    {k: v for k, v in sorted(samples.items()) if v}, [skipped[k] for k in sorted(skipped)])
 
 
 def _learnable(group: common_pb2.RolloutGroup, job_id: str) -> bool:
@@ -280,6 +292,8 @@ def write_report(out_dir: Path, spec: JobSpec, config: dict, steps: list[common_
         summary["alerts"] = [MessageToDict(a, preserving_proto_field_name=True) for a in followed.alerts]
         summary["samples"] = {str(k): v for k, v in followed.samples.items()}
         summary["sampling"] = sampling_summary(followed.status)
+        summary["skipped_batches"] = [{"policy_version": m.policy_version, "after_step": m.step,
+                                       "values": dict(m.values)} for m in followed.skipped]
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     report.write(out_dir, report.of_summary(summary, out_dir / "summary.json"))
     latest = out_dir.parent / "latest"

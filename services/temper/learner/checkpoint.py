@@ -197,6 +197,12 @@ def step_of(directory: str | Path) -> int:
     return int(json.loads((Path(directory) / "trainer.json").read_text())["step"])
 
 
+def version_of(directory: str | Path) -> int | None:
+    """The policy version a checkpoint directory holds (None: no complete checkpoint there)."""
+    meta = Path(directory) / "trainer.json"
+    return int(json.loads(meta.read_text())["policy_version"]) if meta.exists() else None
+
+
 def prune(root: str | Path, keep: int) -> None:
     """Delete all but the ``keep`` newest ``step-*`` checkpoints under ``root`` (never the latest)."""
     if keep <= 0:

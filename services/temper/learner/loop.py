@@ -17,7 +17,10 @@ A bad group never stalls the job: it is dropped by
 the rule of temper.learner.batching.screen_groups (reward error, malformed, too long; the
 trainer drops groups staler than max_staleness), counted by reason (state, StepMetrics values
 ``dropped_groups`` / ``dropped_<reason>``, Prometheus) and logged with its group id, and the step
-trains on the rest; a batch with nothing left is counted as skipped and the loop samples again.
+trains on the rest. A batch with nothing left is counted as skipped and still advances the policy
+version by one, its weights unchanged (stored and pushed under the new version): one version per consumed
+batch is what a scheduler waits for before its next step (with ``max_policy_lag = 0`` a step of nothing
+but failed rewards would otherwise leave it waiting for a version that never comes).
 Replay is sampled with the learner's policy version as ``current_policy_version``, so a table
 with ``max_policy_lag = L`` never returns a group more than L versions behind the learner.
 Prioritized replay: each group's loss is weighted by its draw's importance weight (SampleInfo),
@@ -325,6 +328,7 @@ class LearnerLoop:
             step_tokens = self.trainer.step_tokens  # set when the advantage estimator reads step rewards
             kept, dropped = screen_groups(groups, self.trainer.max_sequence_tokens, steps=step_tokens is not None)
             self._count_drops(dropped)
+            stale = 0
             try:
                 require(len(kept) > 0, "groups", f"nothing to train on: {len(groups)} sampled, {len(dropped)} dropped")
                 dropped_at = {d.index for d in dropped}
@@ -336,6 +340,7 @@ class LearnerLoop:
                     batch, stale = self.trainer.drop_stale(batch)
                 except InvalidArgument:  # every group too stale: all counted as dropped, then refused
                     self._count_reason("stale", len(kept))
+                    stale = len(kept)
                     raise
                 if stale:
                     self._count_reason("stale", stale)
@@ -343,6 +348,10 @@ class LearnerLoop:
             except InvalidArgument as e:
                 self._count_skip(e)
                 self._remember(info)
+                if groups:  # a consumed batch: one version, as a trained one (module docstring)
+                    drops = {f"dropped_{r}": float(n) for r, n in self._step_drops(dropped).items()}
+                    drops.update(dropped_stale=float(stale), dropped_duplicate=float(duplicates))
+                    self._advance_unchanged(groups[0].job_id, len(groups) + duplicates, drops, e)
                 return None
             self._remember(info)  # before the checkpoint below: a learner resumed from it skips these draws
             values["stale_groups_dropped"] = float(stale)
@@ -385,6 +394,23 @@ class LearnerLoop:
             self._export(values)
             _log.info("step", step=s.step, mean_reward=round(metrics.mean_reward, 4), loss=round(values["loss"], 4))
             return metrics
+
+    def _advance_unchanged(self, job_id: str, groups: int, drops: dict[str, float], why: InvalidArgument) -> None:
+        """The next policy version with the current weights: stored and pushed like a step's, no update. Its
+        StepMetrics has ``samples`` 0 and ``skipped_batch`` 1 (the trainer's step count unchanged), so a
+        follower counting one record per consumed batch sees it; the monitor leaves it off the curves."""
+        self.trainer.policy_version += 1
+        version = self.trainer.policy_version
+        self._push(version)
+        self.state.policy_version = version
+        POLICY_VERSION.set(version)
+        _log.warning("batch trained nothing: policy version advanced, weights unchanged", policy_version=version,
+                     step=self.trainer.step_count, groups=groups, why=str(why))
+        if self.producer is not None:
+            metrics = common_pb2.StepMetrics(job_id=job_id, step=self.trainer.step_count, policy_version=version,
+                                             samples=0, values={"skipped_batch": 1.0, "dropped_groups": float(groups),
+                                                                **drops})
+            self.producer.send(kafka.METRICS, job_id or "learner", metrics).get(30)
 
     def _remember(self, info: list[replay_pb2.SampleInfo] | None) -> None:
         """Record the draws of a consumed batch (trained on or dropped by rule), the newest CONSUMED_MEMORY."""
@@ -524,6 +550,9 @@ class LearnerLoop:
                 raise InvalidArgument(f"must name a directory inside the checkpoint dir {root}", field="path")
         else:
             target = root / f"step-{step:08d}"
+            if target.exists() and checkpoint.version_of(target) != self.trainer.policy_version:
+                # the same step under a later version (a batch that trained nothing advanced it): a folder of its own
+                target = root / f"step-{step:08d}-v{self.trainer.policy_version:08d}"
             if checkpoint.latest(root) == target.resolve() and (target / "trainer.json").exists():
                 return target  # this very state is already the latest checkpoint
         t0 = time.perf_counter()

@@ -281,6 +281,8 @@ class Monitor:
     def add_metrics(self, m: common_pb2.StepMetrics) -> list[monitor_pb2.Alert]:
         """Record one learner step once (job-wide series, domain ``*``) and run the metrics detectors."""
         require(bool(m.job_id), "job_id", "must be set")
+        if m.samples == 0 and m.values.get("skipped_batch"):
+            return []  # a batch that trained nothing (the learner dropped every group): no point of a curve
         require(m.step >= 1, "step", f"must be >= 1, got {m.step}")
         self._flush_if_pending()
         with self._lock:
