@@ -520,6 +520,19 @@ def identity(container: dict) -> str | None:
     return "submit" if service == "cli" else service
 
 
+def temper_containers(objs: list[dict], apps: set | None = None):
+    """(workload, its pod spec, the pod's volumes by name, container, TLS identity, "containers[NAME]") of every
+    Temper container, in workloads whose ``app`` label is in ``apps`` (None: every workload)."""
+    for obj, pod in workloads(objs):
+        if apps is not None and obj["spec"]["template"]["metadata"].get("labels", {}).get("app") not in apps:
+            continue
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        for c in pod.get("containers", []):
+            name = identity(c)
+            if name is not None:
+                yield obj, pod, volumes, c, name, f"containers[{c['name']}]"
+
+
 def check_mtls(objs: list[dict], report: Report) -> dict[str, str]:
     """Every Temper container serves and calls over mTLS: ``TEMPER_TLS_DIR`` names a read-only mount of its own
     Secret ``temper-<service>-tls`` holding, under the names the code reads (``TLS_FILES``), the CA, the
@@ -529,54 +542,48 @@ def check_mtls(objs: list[dict], report: Report) -> dict[str, str]:
     from temper.client.transport import TLS_FILES
 
     secrets: dict[str, str] = {}
-    for obj, pod in workloads(objs):
-        volumes = {v["name"]: v for v in pod.get("volumes", [])}
-        for c in pod.get("containers", []):
-            name = identity(c)
-            if name is None:
+    for obj, pod, volumes, c, name, where in temper_containers(objs):
+        folder = tls_dir(c)
+        if folder is None:
+            report.add(obj, f"{where}.env", "no TEMPER_TLS_DIR: this service would serve and call in plaintext")
+            continue
+        mount, secret = _mounted(obj, c, volumes, folder, "TEMPER_TLS_DIR", "secret", report)
+        if secret is None:
+            continue
+        if secret["secretName"] != f"temper-{name}-tls":
+            report.add(obj, f"volumes[{mount['name']}].secret.secretName",
+                       f"{secret['secretName']}: each service mounts its own Secret temper-{name}-tls")
+        if secret["secretName"] in secrets.values() and secrets.get(name) != secret["secretName"]:
+            report.add(obj, f"volumes[{mount['name']}].secret.secretName", f"{secret['secretName']} is shared")
+        secrets[name] = secret["secretName"]
+        items = {i["path"]: i["key"] for i in secret.get("items", [])} or {k: k for k in TLS_SECRET_KEYS}
+        if set(items) != set(TLS_FILES):
+            report.add(obj, f"volumes[{mount['name']}].secret.items", f"mounts {sorted(items)} but the service reads "
+                                                                      f"{sorted(TLS_FILES)} from TEMPER_TLS_DIR")
+        if not set(items.values()) <= TLS_SECRET_KEYS:
+            report.add(obj, f"volumes[{mount['name']}].secret.items",
+                       f"keys {sorted(set(items.values()) - TLS_SECRET_KEYS)} are not in a kubernetes.io/tls Secret")
+        psc = pod.get("securityContext", {})
+        user = (c.get("securityContext", {}).get("runAsUser", psc.get("runAsUser", 0)))
+        mode = secret.get("defaultMode", 0o644)
+        if mode & 0o007:
+            report.add(obj, f"volumes[{mount['name']}].secret.defaultMode", f"{mode:#o}: the key is readable by others")
+        if user != 0 and (psc.get("fsGroup") is None or not mode & 0o040):
+            report.add(obj, "securityContext.fsGroup", f"the Secret's files (mode {mode:#o}, root-owned) are not "
+                                                       f"readable by user {user}: set fsGroup and group read")
+        port = GRPC_PORTS.get(name)
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe") if port else ():
+            spec = c.get(probe)
+            if spec is None:
                 continue
-            where = f"containers[{c['name']}]"
-            folder = tls_dir(c)
-            if folder is None:
-                report.add(obj, f"{where}.env", "no TEMPER_TLS_DIR: this service would serve and call in plaintext")
+            command, health = spec.get("exec", {}).get("command", []), [*HEALTH_PROBE, f"127.0.0.1:{port}"]
+            if "grpc" in spec or command[:4] != health:
+                report.add(obj, f"{where}.{probe}", f"must be an exec probe of `{' '.join(health)}`")
                 continue
-            mount, secret = _mounted(obj, c, volumes, folder, "TEMPER_TLS_DIR", "secret", report)
-            if secret is None:
-                continue
-            if secret["secretName"] != f"temper-{name}-tls":
-                report.add(obj, f"volumes[{mount['name']}].secret.secretName",
-                           f"{secret['secretName']}: each service mounts its own Secret temper-{name}-tls")
-            if secret["secretName"] in secrets.values() and secrets.get(name) != secret["secretName"]:
-                report.add(obj, f"volumes[{mount['name']}].secret.secretName", f"{secret['secretName']} is shared")
-            secrets[name] = secret["secretName"]
-            items = {i["path"]: i["key"] for i in secret.get("items", [])} or {k: k for k in TLS_SECRET_KEYS}
-            if set(items) != set(TLS_FILES):
-                report.add(obj, f"volumes[{mount['name']}].secret.items", f"mounts {sorted(items)} but the service reads "
-                                                                          f"{sorted(TLS_FILES)} from TEMPER_TLS_DIR")
-            if not set(items.values()) <= TLS_SECRET_KEYS:
-                report.add(obj, f"volumes[{mount['name']}].secret.items",
-                           f"keys {sorted(set(items.values()) - TLS_SECRET_KEYS)} are not in a kubernetes.io/tls Secret")
-            psc = pod.get("securityContext", {})
-            user = (c.get("securityContext", {}).get("runAsUser", psc.get("runAsUser", 0)))
-            mode = secret.get("defaultMode", 0o644)
-            if mode & 0o007:
-                report.add(obj, f"volumes[{mount['name']}].secret.defaultMode", f"{mode:#o}: the key is readable by others")
-            if user != 0 and (psc.get("fsGroup") is None or not mode & 0o040):
-                report.add(obj, "securityContext.fsGroup", f"the Secret's files (mode {mode:#o}, root-owned) are not "
-                                                           f"readable by user {user}: set fsGroup and group read")
-            port = GRPC_PORTS.get(name)
-            for probe in ("startupProbe", "readinessProbe", "livenessProbe") if port else ():
-                spec = c.get(probe)
-                if spec is None:
-                    continue
-                command, health = spec.get("exec", {}).get("command", []), [*HEALTH_PROBE, f"127.0.0.1:{port}"]
-                if "grpc" in spec or command[:4] != health:
-                    report.add(obj, f"{where}.{probe}", f"must be an exec probe of `{' '.join(health)}`")
-                    continue
-                wait = float(flag(command, "--timeout") or 2.0)  # the health module's default
-                if spec.get("timeoutSeconds", 1) <= wait:
-                    report.add(obj, f"{where}.{probe}.timeoutSeconds", f"{spec.get('timeoutSeconds', 1)}s: the check "
-                                                                      f"itself waits up to {wait}s (and starts Python)")
+            wait = float(flag(command, "--timeout") or 2.0)  # the health module's default
+            if spec.get("timeoutSeconds", 1) <= wait:
+                report.add(obj, f"{where}.{probe}.timeoutSeconds", f"{spec.get('timeoutSeconds', 1)}s: the check "
+                                                                  f"itself waits up to {wait}s (and starts Python)")
     check_kafka_tls(objs, report)
     return secrets
 
@@ -624,37 +631,28 @@ def check_kafka_tls(objs: list[dict], report: Report) -> None:
     apps = {v for listener in listeners for peer in listener.get("networkPolicyPeers", [])
             for e in peer.get("podSelector", {}).get("matchExpressions", []) for v in e.get("values", [])}
     users = {o["metadata"]["name"]: o for o in objs if o["kind"] == "KafkaUser"}
-    for obj, pod in workloads(objs):
-        app = obj["spec"]["template"]["metadata"].get("labels", {}).get("app")
-        if app not in apps:
+    for obj, _pod, volumes, c, name, where in temper_containers(objs, apps):
+        folder = next((e.get("value") for e in c.get("env", []) if e["name"] == KAFKA_TLS_ENV), None)
+        if folder is None:
+            report.add(obj, f"{where}.env", f"no {KAFKA_TLS_ENV}: this Kafka client would speak plaintext")
             continue
-        volumes = {v["name"]: v for v in pod.get("volumes", [])}
-        for c in pod.get("containers", []):
-            name = identity(c)
-            if name is None:
-                continue
-            where = f"containers[{c['name']}]"
-            folder = next((e.get("value") for e in c.get("env", []) if e["name"] == KAFKA_TLS_ENV), None)
-            if folder is None:
-                report.add(obj, f"{where}.env", f"no {KAFKA_TLS_ENV}: this Kafka client would speak plaintext")
-                continue
-            mount, projected = _mounted(obj, c, volumes, folder, KAFKA_TLS_ENV, "projected", report)
-            if projected is None:
-                continue
-            files = {i["path"]: (src["secret"]["name"], i["key"]) for src in projected.get("sources", [])
-                     if "secret" in src for i in src["secret"].get("items", [])}
-            user = f"temper-{name}"
-            wanted = {KAFKA_FILES["ca"]: (f"{cluster}-cluster-ca-cert", "ca.crt"),
-                      KAFKA_FILES["cert"]: (user, "user.crt"), KAFKA_FILES["key"]: (user, "user.key")}
-            if files != wanted:
-                report.add(obj, f"volumes[{mount['name']}].projected.sources", f"mounts {files}, but the client reads "
-                                                                               f"{wanted}")
-            if projected.get("defaultMode", 0o644) & 0o007:
-                report.add(obj, f"volumes[{mount['name']}].projected.defaultMode", "the key is readable by others")
-            if user not in users:
-                report.add(obj, f"volumes[{mount['name']}]", f"no KafkaUser {user} (its Secret holds the certificate)")
-            elif users[user]["spec"].get("authentication", {}).get("type") != "tls":
-                report.add(f"KafkaUser/{user}", "spec.authentication.type", "must be tls")
+        mount, projected = _mounted(obj, c, volumes, folder, KAFKA_TLS_ENV, "projected", report)
+        if projected is None:
+            continue
+        files = {i["path"]: (src["secret"]["name"], i["key"]) for src in projected.get("sources", [])
+                 if "secret" in src for i in src["secret"].get("items", [])}
+        user = f"temper-{name}"
+        wanted = {KAFKA_FILES["ca"]: (f"{cluster}-cluster-ca-cert", "ca.crt"),
+                  KAFKA_FILES["cert"]: (user, "user.crt"), KAFKA_FILES["key"]: (user, "user.key")}
+        if files != wanted:
+            report.add(obj, f"volumes[{mount['name']}].projected.sources", f"mounts {files}, but the client reads "
+                                                                           f"{wanted}")
+        if projected.get("defaultMode", 0o644) & 0o007:
+            report.add(obj, f"volumes[{mount['name']}].projected.defaultMode", "the key is readable by others")
+        if user not in users:
+            report.add(obj, f"volumes[{mount['name']}]", f"no KafkaUser {user} (its Secret holds the certificate)")
+        elif users[user]["spec"].get("authentication", {}).get("type") != "tls":
+            report.add(f"KafkaUser/{user}", "spec.authentication.type", "must be tls")
 
 
 def dialled_names(objs: list[dict], parsed: dict) -> dict[str, set[str]]:
