@@ -51,7 +51,7 @@ class Followed:
     status: scheduler_pb2.JobStatus
     alerts: list = field(default_factory=list)    # the monitor's alerts for the job (monitor_pb2.Alert)
     samples: dict = field(default_factory=dict)   # scheduler step -> a few scored samples (dicts)
-    skipped: list = field(default_factory=list)   # StepMetrics of batches that trained nothing (samples 0)
+    skipped: list = field(default_factory=list)   # StepMetrics of batches that trained nothing (skipped_batch)
 
     @property
     def paused(self) -> bool:
@@ -93,7 +93,8 @@ def follow_job(state: State, spec: JobSpec, timeout: float, echo=print, check=No
             if check is not None:
                 check()
             if time.monotonic() > deadline:
-                raise JobTimedOut(f"job {job_id}: {len(steps)} of {spec.steps} steps after {timeout:.0f}s",
+                done = f"{len(steps)} (+{len(skipped)} skipped)" if skipped else f"{len(steps)}"
+                raise JobTimedOut(f"job {job_id}: {done} of {spec.steps} steps after {timeout:.0f}s",
                                   Followed([steps[k] for k in sorted(steps)], status, [],
                                            {k: v for k, v in sorted(samples.items()) if v},
                                            [skipped[k] for k in sorted(skipped)]))
