@@ -4,6 +4,7 @@ off-policy correction, LoRA); unknown algorithm names are refused at start-up wi
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -73,6 +74,10 @@ class LearnerConfig(ServiceConfig, TrainerConfig):
         if world > 1 and self.shard_parameters and self.lora_rank > 0:
             raise ValueError("shard_parameters: LoRA adapters are not sharded over ranks; with lora_rank > 0 and "
                              "ranks > 1 set shard_parameters = false")
+
+    def checkpoint_folder(self) -> Path:
+        """Where checkpoints go: ``checkpoint_dir``, else ``<data_dir>/checkpoints``."""
+        return Path(self.checkpoint_dir) if self.checkpoint_dir else Path(self.data_dir) / "checkpoints"
 
     def trainer_config(self) -> TrainerConfig:
         return TrainerConfig(**self.model_dump(include=set(TrainerConfig.model_fields)))

@@ -175,7 +175,7 @@ def follow_torchrun(argv: list[str]) -> None:
     server, health, _ = serve_health(config, "learner") if local_rank == 0 else (None, None, "")
     init(rank, world, None, backend=backend_for(config.device), local_rank=local_rank)
     try:
-        check_shared(checkpoint_folder(config))
+        check_shared(config.checkpoint_folder())
         trainer = Trainer(config.model_dir, config.trainer_config())
         if health is not None:
             health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -196,10 +196,6 @@ def check_world(config, world: int) -> None:
     config.check_world(world)  # what a learner over ranks cannot train
 
 
-def checkpoint_folder(config) -> Path:
-    return Path(config.checkpoint_dir) if config.checkpoint_dir else Path(config.data_dir) / "checkpoints"
-
-
 def backend_for(device: str) -> str:
     return "nccl" if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()) else "gloo"
 
@@ -218,7 +214,7 @@ class Ranks:
         init(rank, world, None, backend=backend_for(config.device), local_rank=local_rank)
         _log.info("learner ranks joined (torchrun)", world=world, hosts=os.environ.get("GROUP_WORLD_SIZE", "1"))
         try:
-            check_shared(checkpoint_folder(config))
+            check_shared(config.checkpoint_folder())
         except ValueError:  # every rank raised it: no collective is left to run
             dist.destroy_process_group()
             raise

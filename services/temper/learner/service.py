@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from contextlib import ExitStack
-from pathlib import Path
 
 from temper.client.discovery import Replicas
 from temper.client.shards import ShardedReplay, shard_addresses
@@ -67,7 +66,7 @@ class LearnerService(Service[LearnerConfig]):
             raise StartupError(f"inference_addresses: {e}") from e
         stack.callback(replicas.close)
         self.loop = LearnerLoop(trainer, replay, replicas, None, config.groups_per_step, config.table,
-                                checkpoint_dir=config.checkpoint_dir or Path(config.data_dir) / "checkpoints",
+                                checkpoint_dir=config.checkpoint_folder(),
                                 checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints,
                                 priority_signal=config.priority_signal, model_dir=config.model_dir,
                                 mirror=mirror, policy_dir=config.policy_dir or None,
