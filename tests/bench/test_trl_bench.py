@@ -39,7 +39,9 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
+import sys
 import time
 import tomllib
 from pathlib import Path
@@ -140,6 +142,7 @@ def trl_side(tmp: Path, seed: int) -> dict:
     train = training_tasks(spec, eval_sets, int(BUDGET_S / 2) + 10)
     peer_spec = {
         "model_dir": str(_model_dir()), "seed": seed, "budget_s": BUDGET_S, "work_dir": str(tmp / "trl-out"),
+        "save_dir": str(tmp / "trl-weights"),
         "group_size": spec.group_size, "prompts_per_step": spec.prompts_per_step, "temperature": spec.temperature,
         "max_tokens": spec.max_tokens, "eval_max_tokens": spec.eval.max_tokens or spec.max_tokens,
         "eval_samples": spec.eval.samples, "eval_temperature": spec.eval.temperature, "eval_seed": spec.eval.seed,
@@ -163,7 +166,36 @@ def trl_side(tmp: Path, seed: int) -> dict:
     result = json.loads((tmp / "trl-result.json").read_text())
     result["total_seconds"] = time.monotonic() - t0
     result["eval_problems_per_domain"] = spec.eval.size
+    # one evaluator for both sides: the base model and TRL's trained weights scored as Temper's side is
+    trained = tmp / "trl-final"
+    trained.mkdir()
+    for f in _model_dir().iterdir():  # the base folder's config and tokenizer (this venv's transformers reads them)
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("model.safetensors.index.json",
+                                                                          "temper-smollm2.json"):
+            shutil.copy2(f, trained / f.name)
+    for f in (tmp / "trl-weights").glob("*.safetensors*"):
+        shutil.copy2(f, trained / f.name)
+    before, after = (temper_evaluator(tmp, seed, m, name) for m, name in ((_model_dir(), "base"), (trained, "trl")))
+    result["eval_temper_evaluator"] = {
+        "before": before, "after": after,
+        "gain": {d: after["accuracy"][d] - before["accuracy"][d] for d in before["accuracy"]}}
     return result
+
+
+def temper_evaluator(tmp: Path, seed: int, model: Path, name: str) -> dict:
+    """``temper eval`` of ``model`` on the job's held-out sets, as the Temper side's evaluations score (the
+    same inference engine, reward service, [job.eval] samples, temperature and seed)."""
+    spec = _spec(seed, 0)
+    config = tmp / f"eval-{name}.toml"
+    config.write_text(_config_text(seed, 0))
+    out = tmp / f"eval-{name}.json"
+    cmd = [str(Path(sys.executable).with_name("temper")), "eval", "--config", str(config), "--home", str(tmp / "eval-home"),
+           "--model", str(model), "--size", str(spec.eval.size), "--seed", str(spec.eval.seed), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    assert proc.returncode == 0, f"temper eval of {model} failed: {proc.stderr[-3000:]}"
+    result = json.loads(out.read_text())
+    print(f"Temper's evaluator, {name}: {result['accuracy']}", flush=True)
+    return {k: result[k] for k in ("accuracy", "samples", "temperature", "seconds", "generated_tokens")}
 
 
 # -- Temper -----------------------------------------------------------------------------------------
@@ -321,34 +353,41 @@ def test_report():
     if not trl or len(parts) == len(trl):
         pytest.skip(f"no TRL and Temper parts for budget {BUDGET_S:g}s in {OUT} (run the side tests first)")
 
-    def gain(r) -> float:
-        return _mean(r["eval"]["gain"].values())
+    def gain(r, key: str = "eval") -> float:
+        return _mean(r[key]["gain"].values())
 
-    rows = [("TRL GRPOTrainer", trl)] + [(f"Temper L={lag}", [r for k, r in parts.items()
-                                                             if k.startswith("temper-") and r["max_policy_lag"] == lag])
-                                         for lag in sorted({r["max_policy_lag"] for k, r in parts.items()
-                                                            if k.startswith("temper-")})]
-    trl_gain = _mean(gain(r) for r in trl)
+    # one evaluator: TRL's weights scored by Temper's (as Temper's side is) when every TRL part has that
+    one = all("eval_temper_evaluator" in r for r in trl)
+    trl_rows = [("TRL GRPOTrainer", "eval_temper_evaluator" if one else "eval", trl)]
+    if one:
+        trl_rows.append(("TRL, own evaluator", "eval", trl))
+    rows = trl_rows + [(f"Temper L={lag}", "eval", [r for k, r in parts.items()
+                                                    if k.startswith("temper-") and r["max_policy_lag"] == lag])
+                       for lag in sorted({r["max_policy_lag"] for k, r in parts.items() if k.startswith("temper-")})]
+    trl_gain = _mean(gain(r, trl_rows[0][1]) for r in trl)
     domains = list(trl[0]["eval"]["before"]["accuracy"])
     print(f"\nSmolLM2-135M-Instruct, {JOB.name}: {', '.join(domains)}; budget {BUDGET_S:g}s of training per run; "
           f"held-out pass@1 over {trl[0]['eval']['before'].get('samples', 1)} answers (mean over domains, "
-          f"{trl[0]['eval_problems_per_domain']} problems each)")
-    print(f"  {'':<17}{'seeds':>6}{'before':>8}{'after':>8}{'gain':>8}{'x TRL':>7}{'steps':>7}{'gen tok/s':>10}")
-    report = {"budget_s": BUDGET_S, "job": str(JOB), "domains": domains, "rows": {}}
-    for name, rs in rows:
+          f"{trl[0]['eval_problems_per_domain']} problems each); TRL's weights scored by "
+          + ("Temper's evaluator (vLLM + the reward service, as Temper's side), its own HF generate evaluator on the "
+             "second row" if one else "its own HF generate evaluator"))
+    print(f"  {'':<20}{'seeds':>6}{'before':>8}{'after':>8}{'gain':>8}{'x TRL':>7}{'steps':>7}{'gen tok/s':>10}")
+    report = {"budget_s": BUDGET_S, "job": str(JOB), "domains": domains, "one_evaluator": one, "rows": {}}
+    for name, key, rs in rows:
         if not rs:
             continue
-        g = _mean(gain(r) for r in rs)
+        g = _mean(gain(r, key) for r in rs)
         ratio = g / trl_gain if trl_gain > 0 else None
-        row = {"seeds": [r["seed"] for r in rs],
-               "before": _mean(_mean(r["eval"]["before"]["accuracy"].values()) for r in rs),
-               "after": _mean(_mean(r["eval"]["after"]["accuracy"].values()) for r in rs),
-               "gain": g, "gain_per_seed": [gain(r) for r in rs], "ratio_to_trl": ratio,
+        row = {"seeds": [r["seed"] for r in rs], "evaluator": "temper" if key != "eval" or name.startswith("Temper")
+               else "trl (HF generate)",
+               "before": _mean(_mean(r[key]["before"]["accuracy"].values()) for r in rs),
+               "after": _mean(_mean(r[key]["after"]["accuracy"].values()) for r in rs),
+               "gain": g, "gain_per_seed": [gain(r, key) for r in rs], "ratio_to_trl": ratio,
                "steps": _mean(r["steps"] for r in rs),
                "generated_tokens_per_s": _mean(r["generated_tokens_per_s"] for r in rs),
-               "per_domain_gain": {d: _mean(r["eval"]["gain"][d] for r in rs) for d in domains}}
+               "per_domain_gain": {d: _mean(r[key]["gain"][d] for r in rs) for d in domains}}
         report["rows"][name] = row
-        print(f"  {name:<17}{len(rs):>6}{row['before']:8.3f}{row['after']:8.3f}{g:+8.3f}"
+        print(f"  {name:<20}{len(rs):>6}{row['before']:8.3f}{row['after']:8.3f}{g:+8.3f}"
               f"{(f'{ratio:6.2f}x' if ratio is not None else '    n/a'):>7}{row['steps']:7.1f}"
               f"{row['generated_tokens_per_s']:10.1f}")
     if trl_gain <= 0:

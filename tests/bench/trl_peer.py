@@ -4,7 +4,7 @@ Runs in the bench-only environment (``make bench-peers``: trl 1.16 + transformer
 2.13 CPU + reasoning-gym at the product's version; never a dependency of Temper) and imports
 nothing of Temper: the bench hands it everything as one JSON file (``spec``):
 
-  model_dir, seed, budget_s, group_size, prompts_per_step, temperature, max_tokens,
+  model_dir, seed, budget_s, save_dir (optional), group_size, prompts_per_step, temperature, max_tokens,
   eval_max_tokens, eval_samples, eval_temperature, eval_seed, response_prefix, lr, clip_low,
   clip_high, max_grad_norm, epochs,
   train: [{prompt, domain, metadata}]  the training prompts, in the order Temper's job draws them
@@ -21,7 +21,8 @@ prefix + completion, the prefix's tag closed when the completion ended with EOS,
 left open so it scores 0). Training stops at the first step boundary past ``budget_s`` (a callback);
 held-out accuracy is taken before and after, outside the budget, as Temper's job takes it: pass@1 over
 ``eval_samples`` answers per problem at ``eval_temperature`` (greedy when 0), torch seeded with
-``eval_seed`` before each evaluation.
+``eval_seed`` before each evaluation. With ``save_dir`` in the spec the trained weights are saved there
+(safetensors), so the bench can also score them with Temper's own evaluator.
 
 Usage: python trl_peer.py SPEC.json OUT.json   (also prints the result as one JSON line)
 """
@@ -177,6 +178,8 @@ def main(spec_path: str, out_path: str) -> None:
     trainer.train()
     wall = time.monotonic() - t0
     after = evaluate(trainer.model, tokenizer, spec["eval"], render, prefix, spec["eval_max_tokens"], **sampled)
+    if spec.get("save_dir"):  # the trained weights, for the bench to score with Temper's evaluator too
+        trainer.model.save_pretrained(spec["save_dir"], safe_serialization=True)
     result = {
         "side": "trl", "seed": spec["seed"], "budget_s": spec["budget_s"], "train_seconds": wall,
         "steps": budget.steps, "step_seconds": budget.step_seconds, "completions": counted["completions"],
