@@ -8,7 +8,7 @@ import pytest
 import torch
 import xxhash
 
-from temper.inference.weights import WeightAssembler, chunks_from_tensors
+from temper.inference.weights import WeightAssembler, chunks_from_tensors, decode_chunk
 from temper.runtime.errors import InvalidArgument
 from temper.v1 import inference_pb2
 
@@ -143,3 +143,45 @@ def test_bytes_that_are_no_safetensors_blob_are_refused():
         with pytest.raises(InvalidArgument, match="not a safetensors blob") as e:
             WeightAssembler.collect([chunk], 1 << 20, 1 << 20)
         assert e.value.field == "tensor w"
+
+
+# -- the wire: encoded chunks and decode_chunk ---------------------------------------------------
+FIELDS = ("tensor_name", "offset", "total_bytes", "sha256", "new_version", "xxh3_128", "lineage")
+
+
+def _same(view, message) -> bool:
+    return bytes(view.data) == message.data and all(getattr(view, f) == getattr(message, f) for f in FIELDS)
+
+
+@pytest.mark.parametrize("chunk_bytes", [7, 700, 1 << 20])
+def test_encoded_chunks_are_the_messages_wire_bytes_and_decode_without_a_copy(chunk_bytes):
+    tensors = _tensors()
+    messages = list(chunks_from_tensors(tensors, chunk_bytes=chunk_bytes, new_version=9, lineage="run-1"))
+    wire = list(chunks_from_tensors(tensors, chunk_bytes=chunk_bytes, new_version=9, lineage="run-1", encoded=True))
+    assert [inference_pb2.UpdateWeightsRequest.FromString(w) for w in wire] == messages
+    views = [decode_chunk(w) for w in wire]
+    assert all(_same(v, m) for v, m in zip(views, messages, strict=True))
+    assert all(isinstance(v.data, memoryview) and v.data.obj is w for v, w in zip(views, wire))  # a view, no copy
+    got = WeightAssembler.collect(views, chunk_bytes, 1 << 20)
+    assert got.new_version == 9 and got.lineage == "run-1"
+    assert all(torch.equal(got.tensors[n], t) for n, t in tensors.items())
+
+
+def test_decode_chunk_reads_what_protobuf_reads():
+    """Last value wins, negative int64, unknown fields of every wire type skipped, empty message."""
+    m = inference_pb2.UpdateWeightsRequest(tensor_name="x", data=b"\x00\x01", offset=3, total_bytes=2 ** 64 - 1,
+                                           new_version=-5, sha256="ab", xxh3_128="cd", lineage="é")
+    later = inference_pb2.UpdateWeightsRequest(tensor_name="y", data=b"zz", offset=4)
+    unknown = b"\x98\x06\x01" + b"\xa1\x06" + b"\x00" * 8 + b"\xad\x06" + b"\x00" * 4 + b"\xa2\x06\x02hi"
+    for wire in (m.SerializeToString(), m.SerializeToString() + later.SerializeToString(),
+                 unknown + m.SerializeToString() + unknown, b""):
+        assert _same(decode_chunk(wire), inference_pb2.UpdateWeightsRequest.FromString(wire))
+
+
+@pytest.mark.parametrize("wire", [b"\x0a\xff\xff\xff\xff\x0f", b"\x0a\x05abc", b"\x18", b"\x18\xff", b"\x0a\x02\xff\xfe",
+                                  b"\x00\x01", b"\xa1\x06\x00", b"\x18" + b"\xff" * 10 + b"\x01"])
+def test_decode_chunk_refuses_what_protobuf_refuses(wire):
+    with pytest.raises(Exception):  # noqa: B017 - upb's DecodeError
+        inference_pb2.UpdateWeightsRequest.FromString(wire)
+    with pytest.raises(ValueError):
+        decode_chunk(wire)

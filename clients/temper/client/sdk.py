@@ -39,6 +39,11 @@ def verdict_name(verdict: int) -> str:
     return sandbox_pb2.Verdict.Name(verdict).removeprefix("VERDICT_")
 
 
+def _wire(message) -> bytes:
+    """A request's wire bytes: pre-encoded bytes as they are, a message serialized."""
+    return message if isinstance(message, (bytes, bytearray, memoryview)) else message.SerializeToString()
+
+
 class _Client:
     stub_class: type
 
@@ -77,6 +82,14 @@ class _Client:
 class InferenceClient(_Client):
     stub_class = inference_pb2_grpc.InferenceServiceStub
 
+    def __init__(self, address: str, timeout: float = 60.0, channel: grpc.Channel | None = None,
+                 token: str | None = None, tls_dir: str | None = None):
+        super().__init__(address, timeout, channel, token, tls_dir)
+        # UpdateWeights taking chunks as messages or as their wire bytes (sent as they are)
+        self._update_raw = self._channel.stream_unary(
+            "/temper.v1.InferenceService/UpdateWeights", request_serializer=_wire,
+            response_deserializer=inference_pb2.UpdateWeightsResponse.FromString)
+
     def generate(self, prompts: Iterable[str | list[int]], n: int = 1, temperature: float = 1.0,
                  max_tokens: int = 16, top_p: float = 1.0, top_k: int = 0, stop: Iterable[str] = (),
                  seed: int | None = None, apply_chat_template: bool = False,
@@ -89,12 +102,15 @@ class InferenceClient(_Client):
         return self.stub.Generate(inference_pb2.GenerateRequest(prompts=msgs, sampling=sampling),
                                   timeout=self.timeout)
 
-    def update_weights(self, chunks: Iterable[inference_pb2.UpdateWeightsRequest]) -> inference_pb2.UpdateWeightsResponse:
-        """Stream one new policy version as UpdateWeightsRequest chunks (the first carries ``new_version``).
+    def update_weights(self, chunks: Iterable[inference_pb2.UpdateWeightsRequest | bytes]
+                       ) -> inference_pb2.UpdateWeightsResponse:
+        """Stream one new policy version as UpdateWeightsRequest chunks (the first carries ``new_version``),
+        each a message or its wire bytes.
 
-        The server package builds them from tensors: ``temper.inference.weights.chunks_from_tensors``.
+        The server package builds them from tensors: ``temper.inference.weights.chunks_from_tensors``
+        (``encoded=True``: wire bytes, one copy of the tensors fewer than messages).
         """
-        return self.stub.UpdateWeights(iter(chunks), timeout=self.timeout)
+        return self._update_raw(iter(chunks), timeout=self.timeout)
 
     def policy_version(self) -> int:
         return self.info().policy_version

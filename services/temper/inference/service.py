@@ -58,7 +58,6 @@ class InferenceService(Service[InferenceConfig]):
                                           max_sequences=self.config.max_sequences_per_request)
 
     def register(self, server) -> list[str]:
-        from temper.v1 import inference_pb2, inference_pb2_grpc
+        from temper.inference.servicer import register
 
-        inference_pb2_grpc.add_InferenceServiceServicer_to_server(self.servicer, server)
-        return [inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name]
+        return [register(self.servicer, server)]

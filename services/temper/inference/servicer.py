@@ -1,13 +1,22 @@
-"""gRPC InferenceService: translates protobuf <-> engine objects, nothing more."""
+"""gRPC InferenceService: translates protobuf <-> engine objects, nothing more.
+
+``UpdateWeights`` reads its chunks with ``decode_chunk`` (``register`` installs it): each chunk's tensor
+bytes are copied once, from the received message into the tensor, not first into a protobuf message.
+"""
 
 from __future__ import annotations
 
 import math
 
+import grpc
+from google.protobuf.message_factory import GetMessageClass
+
 from temper.inference.engine import Engine, SamplingParams
-from temper.inference.weights import WeightAssembler
+from temper.inference.weights import WeightAssembler, decode_chunk
 from temper.runtime.errors import reject_unknown_fields, require
 from temper.v1 import inference_pb2, inference_pb2_grpc
+
+SERVICE = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"]
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
@@ -59,3 +68,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         return inference_pb2.GetPolicyVersionResponse(policy_version=self.engine.policy_version, model=self.model_name,
                                                       engine=self.engine.name, vocab_size=self.engine.vocab_size,
                                                       lineage=self.engine.lineage)
+
+
+def register(servicer: InferenceServicer, server: grpc.Server) -> str:
+    """Add ``servicer`` to ``server``, UpdateWeights' chunks read by ``decode_chunk``; returns the service name."""
+    handlers = {}
+    for m in SERVICE.methods:
+        kind = grpc.stream_unary_rpc_method_handler if m.client_streaming else grpc.unary_unary_rpc_method_handler
+        decode = decode_chunk if m.name == "UpdateWeights" else GetMessageClass(m.input_type).FromString
+        handlers[m.name] = kind(getattr(servicer, m.name), request_deserializer=decode,
+                                response_serializer=GetMessageClass(m.output_type).SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
+    return SERVICE.full_name

@@ -1,9 +1,11 @@
 """The weight-update wire format: tensors as safetensors blobs, split into bounded chunks.
 
-Sender: ``chunks_from_tensors`` yields UpdateWeightsRequest messages (chunks), one tensor after another, each
-tensor's blob in order, with the blob's digest on its last chunk: XXH3-128 by default (an
-integrity check against truncation and corruption that costs little next to copying the bytes)
-or sha256. Receiver: ``WeightAssembler`` checks order and sizes as chunks arrive, reads the blob's
+Sender: ``chunks_from_tensors`` yields UpdateWeightsRequest messages (chunks), or their wire bytes built
+straight from the tensors' memory, one tensor after another, each tensor's blob in order, with the blob's
+digest on its last chunk: XXH3-128 by default (an integrity check against truncation and corruption that
+costs little next to copying the bytes) or sha256. The server reads each chunk with ``decode_chunk`` (its
+``data`` a view of the received bytes, not two copies as upb makes). Receiver: ``WeightAssembler`` checks
+order and sizes as chunks arrive, reads the blob's
 safetensors header from its first bytes (one tensor, of the name the chunks carry; its dtype, shape
 and size agreeing with ``total_bytes``), allocates that tensor once and copies each chunk's bytes
 straight into it while hashing them (XXH3 as they arrive; sha256, if that is the digest sent, over
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 import xxhash
 
+from temper.client.transport import varint
 from temper.runtime.errors import InvalidArgument, require
 from temper.v1 import inference_pb2
 
@@ -55,11 +58,13 @@ def safetensors_parts(name: str, tensor: torch.Tensor) -> tuple[bytes, memoryvie
 
 
 def chunks_from_tensors(tensors: dict[str, torch.Tensor], chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                        new_version: int = 0, checksum: str = "xxh3_128",
-                        lineage: str = "") -> Iterator[inference_pb2.UpdateWeightsRequest]:
+                        new_version: int = 0, checksum: str = "xxh3_128", lineage: str = "",
+                        encoded: bool = False) -> Iterator[inference_pb2.UpdateWeightsRequest | bytes]:
     """Each tensor's safetensors blob in chunks of at most ``chunk_bytes``, its digest on its last chunk. The blob
-    is never built: the digest is taken over the header and the tensor's memory, and each chunk's bytes are
-    copied once, from the tensor into the message (protobuf takes no views)."""
+    is never built: the digest is taken over the header and the tensor's memory. ``encoded``: each chunk as its
+    UpdateWeightsRequest wire bytes (what ``InferenceClient.update_weights`` sends as they are), the tensor's
+    bytes copied once, straight into them; otherwise as messages (protobuf takes no views: a copy into the
+    message, another when it is serialized)."""
     if checksum not in DIGESTS:
         raise InvalidArgument(f"checksum {checksum!r} is not one of {sorted(DIGESTS)}", field="checksum")
     first = True
@@ -72,15 +77,88 @@ def chunks_from_tensors(tensors: dict[str, torch.Tensor], chunk_bytes: int = DEF
         total, head = len(prefix) + len(data), len(prefix)
         for offset in range(0, total, chunk_bytes):
             end = min(offset + chunk_bytes, total)
-            if offset < head:
-                piece = prefix[offset:min(end, head)] + bytes(data[:max(end - head, 0)])
-            else:
-                piece = bytes(data[offset - head:end - head])
-            yield inference_pb2.UpdateWeightsRequest(tensor_name=name, data=piece, offset=offset, total_bytes=total,
-                                                     new_version=new_version if first else 0,
-                                                     lineage=lineage if first else "",
-                                                     **(digest if end == total else {}))
+            pieces = [prefix[offset:min(end, head)]] if offset < head else []
+            pieces.append(data[max(offset - head, 0):max(end - head, 0)])
+            fields = dict(tensor_name=name, offset=offset, total_bytes=total, new_version=new_version if first else 0,
+                          lineage=lineage if first else "", **(digest if end == total else {}))
             first = False
+            if encoded:  # the fields but data, then data (field 2) framed by hand: order is free on the wire
+                size = sum(len(p) for p in pieces)
+                yield b"".join([inference_pb2.UpdateWeightsRequest(**fields).SerializeToString(), b"\x12",
+                                varint(size), *pieces])
+            else:
+                yield inference_pb2.UpdateWeightsRequest(data=b"".join(pieces), **fields)
+
+
+class Chunk:
+    """An UpdateWeightsRequest read from its wire bytes by ``decode_chunk``: the same fields, ``data`` a view
+    of those bytes rather than a copy (upb copies it into the message, and reading the field copies it again)."""
+
+    __slots__ = ("tensor_name", "data", "offset", "total_bytes", "sha256", "new_version", "xxh3_128", "lineage")
+
+    def __init__(self):
+        self.tensor_name = self.sha256 = self.xxh3_128 = self.lineage = ""
+        self.data = memoryview(b"")
+        self.offset = self.total_bytes = self.new_version = 0
+
+
+_STRINGS = {1: "tensor_name", 5: "sha256", 7: "xxh3_128", 8: "lineage"}
+_UINT64 = {3: "offset", 4: "total_bytes"}
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buf):
+            raise ValueError("truncated varint")
+        b = buf[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value & 0xFFFFFFFFFFFFFFFF, pos
+        shift += 7
+        if shift >= 70:
+            raise ValueError("varint longer than 10 bytes")
+
+
+def decode_chunk(wire: bytes) -> Chunk:
+    """An UpdateWeightsRequest from its wire bytes, as protobuf reads it (the last value of a field wins, a
+    field of another wire type or number is skipped as unknown), ``data`` without a copy. Malformed bytes
+    (a truncated field, a bad UTF-8 string, a group) raise ValueError, which the server's runtime answers as
+    INVALID_ARGUMENT naming the stream's item (temper.runtime.rpc), as it does a message upb cannot parse."""
+    buf = memoryview(wire)
+    chunk = Chunk()
+    pos, n = 0, len(buf)
+    while pos < n:
+        key, pos = _read_varint(buf, pos)
+        number, kind = key >> 3, key & 7
+        if number == 0 or number > 0x1FFFFFFF:
+            raise ValueError(f"field number {number}")
+        if kind == 0:
+            value, pos = _read_varint(buf, pos)
+            if number in _UINT64:
+                setattr(chunk, _UINT64[number], value)
+            elif number == 6:  # int64: two's complement
+                chunk.new_version = value - (1 << 64) if value >> 63 else value
+        elif kind == 2:
+            size, pos = _read_varint(buf, pos)
+            if size > n - pos:
+                raise ValueError("a field runs past the end")
+            view, pos = buf[pos:pos + size], pos + size
+            if number == 2:
+                chunk.data = view
+            elif number in _STRINGS:
+                try:
+                    setattr(chunk, _STRINGS[number], str(view, "utf-8"))
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{_STRINGS[number]} is not UTF-8") from e
+        elif kind in (1, 5):
+            pos += 8 if kind == 1 else 4
+            if pos > n:
+                raise ValueError("a field runs past the end")
+        else:
+            raise ValueError(f"wire type {kind} (field {number})")
+    return chunk
 
 
 class _Incoming:
@@ -145,7 +223,7 @@ class _Incoming:
         self._dst = self.tensor.reshape(-1).view(torch.uint8).numpy()
         return view
 
-    def check(self, last: inference_pb2.UpdateWeightsRequest) -> torch.Tensor:
+    def check(self, last: inference_pb2.UpdateWeightsRequest | Chunk) -> torch.Tensor:
         """The finished tensor, once every digest the last chunk carries matched."""
         field = f"tensor {self.name}"
         digests = {f: getattr(last, f) for f in DIGESTS if getattr(last, f)}
@@ -175,9 +253,14 @@ class WeightAssembler:
         self.bytes = 0
         self._current: _Incoming | None = None
 
-    def add(self, chunk: inference_pb2.UpdateWeightsRequest, index: int) -> None:
+    def add(self, chunk: inference_pb2.UpdateWeightsRequest | Chunk | bytes, index: int) -> None:
         field = f"chunks[{index}]"
-        data = chunk.data  # one copy out of the message; from it straight into the tensor
+        if isinstance(chunk, (bytes, bytearray, memoryview)):  # wire bytes, as the SDK sends them
+            try:
+                chunk = decode_chunk(chunk)
+            except ValueError as e:
+                raise InvalidArgument(f"not a valid message: {e}", field=field) from e
+        data = chunk.data  # a Chunk's a view of the received bytes (a message's a copy); into the tensor from it
         require(bool(chunk.tensor_name), f"{field}.tensor_name", "required")
         require(len(data) <= self.max_chunk_bytes, f"{field}.data",
                 f"{len(data)} bytes exceed the max chunk size {self.max_chunk_bytes}")
@@ -211,7 +294,7 @@ class WeightAssembler:
         return self.tensors
 
     @classmethod
-    def collect(cls, chunks: Iterable[inference_pb2.UpdateWeightsRequest], max_chunk_bytes: int,
+    def collect(cls, chunks: Iterable[inference_pb2.UpdateWeightsRequest | Chunk | bytes], max_chunk_bytes: int,
                 max_total_bytes: int) -> WeightAssembler:
         assembler = cls(max_chunk_bytes, max_total_bytes)
         for i, chunk in enumerate(chunks):

@@ -494,7 +494,8 @@ class LearnerLoop:
         weights = self.trainer.push_weights() if weights is None else weights
         for replica in replicas:
             try:
-                replica.update_weights(chunks_from_tensors(weights, new_version=version, lineage=self.lineage))
+                replica.update_weights(chunks_from_tensors(weights, new_version=version, lineage=self.lineage,
+                                                           encoded=True))
             except grpc.RpcError as e:
                 self.state.push_failures += 1
                 PUSH_FAILURES.inc()
