@@ -21,6 +21,9 @@ start-up and the two evaluations outside it, on each side:
   temperature and seed: pass@1 over that many answers per problem), through the same inference and
   reward services. With L >= 1 the rollouts generated ahead for the next
   step are lost (counted in Temper's generated tokens, never trained on).
+One evaluator: TRL's trained weights are also scored by ``temper eval`` (Temper's evaluator: the same vLLM
+engine, reward service, held-out sets and [job.eval] sampling as Temper's side), and the report's "x TRL"
+column divides by TRL's gain by that evaluator (its own HF-generate figures are printed beside it).
 Generated tokens/s: completion tokens generated during that window / its seconds (Temper: every
 rollout the scheduler published before the stop; TRL: every completion the reward saw).
 
