@@ -42,7 +42,6 @@ import json
 import os
 import random
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -50,9 +49,11 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 from temper import jobs
 from temper.cli.plan import job_spec
+from temper.learner.export import export_policy
 from temper.scheduler.core import MAX_STEPS
 from temper.scheduler.evaluation import draw_training_task
 
@@ -169,15 +170,12 @@ def trl_side(tmp: Path, seed: int) -> dict:
     result = json.loads((tmp / "trl-result.json").read_text())
     result["total_seconds"] = time.monotonic() - t0
     result["eval_problems_per_domain"] = spec.eval.size
-    # one evaluator for both sides: the base model and TRL's trained weights scored as Temper's side is
+    # one evaluator for both sides: the base model and TRL's trained weights scored as Temper's side is; the
+    # weights go into a folder with the base folder's config and tokenizer (this venv's transformers reads
+    # those), as the learner exports a policy
+    weights = {n: t for f in sorted((tmp / "trl-weights").glob("*.safetensors")) for n, t in load_file(f).items()}
     trained = tmp / "trl-final"
-    trained.mkdir()
-    for f in _model_dir().iterdir():  # the base folder's config and tokenizer (this venv's transformers reads them)
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("model.safetensors.index.json",
-                                                                          "temper-smollm2.json"):
-            shutil.copy2(f, trained / f.name)
-    for f in (tmp / "trl-weights").glob("*.safetensors*"):
-        shutil.copy2(f, trained / f.name)
+    export_policy(weights, _model_dir(), trained, dtype="float32")  # as TRL trained and saved them
     before, after = (temper_evaluator(tmp, seed, m, name) for m, name in ((_model_dir(), "base"), (trained, "trl")))
     result["eval_temper_evaluator"] = {
         "before": before, "after": after,

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 import grpc
 
 from temper.client.transport import channel as _channel
-from temper.client.transport import varint
+from temper.client.transport import varint, wire_bytes
 from temper.v1 import (
     common_pb2,
     inference_pb2,
@@ -37,11 +37,6 @@ from temper.v1 import (
 def verdict_name(verdict: int) -> str:
     """A sandbox Verdict's short name: ``VERDICT_WRONG_ANSWER`` -> ``"WRONG_ANSWER"`` (what reports and the CLI show)."""
     return sandbox_pb2.Verdict.Name(verdict).removeprefix("VERDICT_")
-
-
-def _wire(message) -> bytes:
-    """A request's wire bytes: pre-encoded bytes as they are, a message serialized."""
-    return message if isinstance(message, (bytes, bytearray, memoryview)) else message.SerializeToString()
 
 
 class _Client:
@@ -87,7 +82,7 @@ class InferenceClient(_Client):
         super().__init__(address, timeout, channel, token, tls_dir)
         # UpdateWeights taking chunks as messages or as their wire bytes (sent as they are)
         self._update_raw = self._channel.stream_unary(
-            "/temper.v1.InferenceService/UpdateWeights", request_serializer=_wire,
+            "/temper.v1.InferenceService/UpdateWeights", request_serializer=wire_bytes,
             response_deserializer=inference_pb2.UpdateWeightsResponse.FromString)
 
     def generate(self, prompts: Iterable[str | list[int]], n: int = 1, temperature: float = 1.0,

@@ -174,6 +174,12 @@ def check_health(address: str, timeout: float = 1.0, service: str = "", tls_dir:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
 
+def wire_bytes(message) -> bytes:
+    """A message's wire bytes: pre-encoded bytes (hand-framed, or stored as received) as they are, a
+    protobuf message serialized. The serializer of calls that take either."""
+    return message if isinstance(message, (bytes, bytearray, memoryview)) else message.SerializeToString()
+
+
 def varint(n: int) -> bytes:
     """Protobuf base-128 varint of a non-negative ``n`` (for hand-framed messages: length prefixes, tags)."""
     out = bytearray()

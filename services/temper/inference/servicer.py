@@ -9,11 +9,11 @@ from __future__ import annotations
 import math
 
 import grpc
-from google.protobuf.message_factory import GetMessageClass
 
 from temper.inference.engine import Engine, SamplingParams
 from temper.inference.weights import WeightAssembler, decode_chunk
 from temper.runtime.errors import reject_unknown_fields, require
+from temper.runtime.rpc import add_service
 from temper.v1 import inference_pb2, inference_pb2_grpc
 
 SERVICE = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"]
@@ -72,11 +72,4 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 
 def register(servicer: InferenceServicer, server: grpc.Server) -> str:
     """Add ``servicer`` to ``server``, UpdateWeights' chunks read by ``decode_chunk``; returns the service name."""
-    handlers = {}
-    for m in SERVICE.methods:
-        kind = grpc.stream_unary_rpc_method_handler if m.client_streaming else grpc.unary_unary_rpc_method_handler
-        decode = decode_chunk if m.name == "UpdateWeights" else GetMessageClass(m.input_type).FromString
-        handlers[m.name] = kind(getattr(servicer, m.name), request_deserializer=decode,
-                                response_serializer=GetMessageClass(m.output_type).SerializeToString)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
-    return SERVICE.full_name
+    return add_service(servicer, server, SERVICE, {"UpdateWeights": decode_chunk})

@@ -12,11 +12,12 @@ from __future__ import annotations
 import math
 
 import grpc
-from google.protobuf.message_factory import GetMessageClass
 
 from temper.replay.store import ReplayStore, SampleResult
+from temper.client.transport import wire_bytes
 from temper.replay.wire import decode_insert_request, varint
 from temper.runtime.errors import reject_unknown_fields, require
+from temper.runtime.rpc import add_service
 from temper.v1 import replay_pb2, replay_pb2_grpc
 
 SERVICE = replay_pb2.DESCRIPTOR.services_by_name["ReplayService"]
@@ -138,16 +139,7 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
         return replay_pb2.ReplayServiceRestoreResponse(table_sizes=self.store.restore(request.checkpoint_id))
 
 
-def _serialize(response) -> bytes:
-    return response if isinstance(response, bytes) else response.SerializeToString()
-
-
 def register(servicer: ReplayServicer, server: grpc.Server) -> str:
-    """Add ``servicer`` to ``server`` (any method may answer pre-encoded bytes); returns the service name."""
-    handlers = {}
-    for m in SERVICE.methods:
-        kind = grpc.stream_unary_rpc_method_handler if m.client_streaming else grpc.unary_unary_rpc_method_handler
-        decode = decode_insert_request if m.name == "Insert" else GetMessageClass(m.input_type).FromString
-        handlers[m.name] = kind(getattr(servicer, m.name), request_deserializer=decode, response_serializer=_serialize)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
-    return SERVICE.full_name
+    """Add ``servicer`` to ``server`` (Insert read as wire views, any method may answer pre-encoded bytes);
+    returns the service name."""
+    return add_service(servicer, server, SERVICE, {"Insert": decode_insert_request}, response_serializer=wire_bytes)

@@ -95,6 +95,27 @@ def _checked(requests):
         yield request
 
 
+def add_service(servicer, server: grpc.Server, service, request_decoders: dict | None = None,
+                response_serializer=None) -> str:
+    """Add ``servicer`` for the ``service`` descriptor to ``server``, one generic handler per method: requests
+    parsed by their message class unless ``request_decoders`` names a decoder for the method (a wire view
+    that spares a copy), responses serialized by ``response_serializer`` (default: the message's own).
+    Returns the service's full name. For services whose methods read or answer bytes the generated
+    ``add_*Servicer_to_server`` cannot."""
+    from google.protobuf.message_factory import GetMessageClass
+
+    handlers = {}
+    for m in service.methods:
+        kind = {(False, False): grpc.unary_unary_rpc_method_handler, (True, False): grpc.stream_unary_rpc_method_handler,
+                (False, True): grpc.unary_stream_rpc_method_handler,
+                (True, True): grpc.stream_stream_rpc_method_handler}[(m.client_streaming, m.server_streaming)]
+        decode = (request_decoders or {}).get(m.name) or GetMessageClass(m.input_type).FromString
+        handlers[m.name] = kind(getattr(servicer, m.name), request_deserializer=decode,
+                                response_serializer=response_serializer or GetMessageClass(m.output_type).SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    return service.full_name
+
+
 UNLIMITED_PREFIXES = ("/grpc.health.v1.Health/",)  # probes are answered however busy the service is
 
 
