@@ -10,7 +10,7 @@ before and after Temper and its better figure of each counts.
 Temper's clients start from RolloutGroup messages in hand (as Reverb's start from numpy arrays)
 and go through the SDK: ``ReplayClient.insert_future`` (batch messages, one call per 256 groups,
 answered once durable, two calls in flight per writer) and ``ReplayClient.sample_batches``
-(groups parsed, with SampleInfo, two calls in flight).
+(groups parsed, with SampleInfo; one and two calls in flight, the better counts).
 Temper runs twice, ``fsync = false`` (durable against kill -9, as Reverb's in-memory tables are
 not even that) and ``fsync = true`` (durable against an OS crash too). Goal: >= 1.0x Reverb with
 fsync off. Run: ``make bench-peers`` once, then ``make bench``.
@@ -98,14 +98,19 @@ def insert(address: str, table: str, items: list, priorities: list[float] | None
     return n / (time.perf_counter() - t0)
 
 
-def sample(address: str, table: str, batches: int) -> float:
+def sample(address: str, table: str, batches: int) -> dict[int, float]:
+    """Items/s sampled with 1 and with ``IN_FLIGHT`` calls outstanding (the better counts, as Reverb's better
+    of its two ways does): on 2 cores a second call in flight makes the server's threads contend for the GIL."""
     client = ReplayClient(address, timeout=300)
     try:
         client.sample_batch(BATCH, table)
-        t0 = time.perf_counter()
-        for r in client.sample_batches(BATCH, table, in_flight=IN_FLIGHT, count=batches):
-            assert len(r.groups) == BATCH and len(r.groups[0].trajectories[0].completion_token_ids) == TOKENS
-        return batches * BATCH / (time.perf_counter() - t0)
+        out = {}
+        for in_flight in (1, IN_FLIGHT):
+            t0 = time.perf_counter()
+            for r in client.sample_batches(BATCH, table, in_flight=in_flight, count=batches):
+                assert len(r.groups) == BATCH and len(r.groups[0].trajectories[0].completion_token_ids) == TOKENS
+            out[in_flight] = batches * BATCH / (time.perf_counter() - t0)
+        return out
     finally:
         client.close()
 
@@ -114,11 +119,13 @@ def temper_side(home: Path, model_dir: Path, fsync: bool, items: list, prioritie
     launcher, _ = start_replay(home, model_dir, CONFIG.format(fsync=str(fsync).lower()))
     try:
         address = launcher.load().services["replay"].address
-        return {"item_bytes": items[0].ByteSize(),
-                "insert_1": insert(address, "uniform", items, None, 1),
-                "insert_4": insert(address, "prioritized", items, priorities, 4),
-                "sample_uniform": sample(address, "uniform", SAMPLE_BATCHES),
-                "sample_prioritized": sample(address, "prioritized", SAMPLE_BATCHES)}
+        out = {"item_bytes": items[0].ByteSize(),
+               "insert_1": insert(address, "uniform", items, None, 1),
+               "insert_4": insert(address, "prioritized", items, priorities, 4)}
+        for t in ("uniform", "prioritized"):
+            out[f"sample_{t}_in_flight"] = ways = sample(address, t, SAMPLE_BATCHES)
+            out[f"sample_{t}"] = max(ways.values())
+        return out
     finally:
         launcher.down()
 
@@ -151,6 +158,9 @@ def test_replay_vs_reverb(tmp_path, replay_model_dir):
     runs.append(reverb_side())
     reverb = {k: max(r[k] for r in runs) for k in runs[0] if not isinstance(runs[0][k], dict)}
     print("\nReverb runs (before, after):", json.dumps(runs))
+    print("Temper's sampling by calls in flight (fsync off, on):",
+          json.dumps({f"fsync {fsync} {k}": v for fsync in (False, True) for k, v in temper[fsync].items()
+                      if k.endswith("_in_flight")}))
     print(f"\nreplay vs DeepMind Reverb 0.14, {ITEMS} items of {TOKENS} tokens + {TOKENS} logprobs + reward "
           f"(Reverb {reverb['item_bytes']} B, Temper {temper[False]['item_bytes']} B as protobuf); "
           f"sample: {SAMPLE_BATCHES} batches of {BATCH}; items/s")

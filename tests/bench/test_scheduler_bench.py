@@ -3,8 +3,10 @@ same budget and seeds, six reasoning-gym families of varied difficulty, measured
 
 Each seed runs the smollm2 job twice with ``temper run`` on a fresh home, alone on the machine, the order
 alternating between seeds: **uniform** (every domain equally likely, the default) and **adaptive**
-(``[job.sampling.adaptive]``: draw weights follow each domain's recent learning progress, with a floor, and
-``[job.sampling.loss_weighting]``: lagging domains get more gradient). The same steps, prompts per step,
+(``[job.sampling.adaptive]`` with ``signal = "learnability"``: draw weights follow how much GRPO signal each
+domain's recent groups carried, their within-group reward spread, with a floor; and
+``[job.sampling.loss_weighting]``: lagging domains get more gradient). ``TEMPER_SCHED_BENCH_SIGNAL=progress``
+measures the other signal (learning progress, a 16-group window). The same steps, prompts per step,
 samples, learner and held-out sets (fixed seeds, disjoint from training) on both sides. Reported per seed
 and mode: mean held-out pass@1 over the domains before and after, per-domain change, and the worst
 domain's change. Goals (issue 11): adaptive's mean after / uniform's >= 1.2, and no domain ends below
@@ -52,9 +54,13 @@ max_base = 10
 min_value = 1
 max_value = 16
 """
-ADAPTIVE = """
+SIGNAL = os.environ.get("TEMPER_SCHED_BENCH_SIGNAL", "learnability")
+# learnability is measured from a few groups (a family never solved shows no spread at once); progress compares
+# the halves of a longer window
+ADAPTIVE = f"""
 [job.sampling.adaptive]
-window = 16
+signal = "{SIGNAL}"
+window = {4 if SIGNAL == "learnability" else 16}
 floor = 0.05
 
 [job.sampling.loss_weighting]
@@ -77,7 +83,8 @@ def run(base: Path, mode: str, seed: int) -> dict:
     summary = run_job_file(base, job_text(mode, seed), job_timeout=3600)
     before, after = summary["eval"]["before"]["accuracy"], summary["eval"]["after"]["accuracy"]
     assert set(before) == set(after) == set(DOMAINS), (before, after)
-    return {"before": before, "after": after}
+    drawn = {d["domain"]: (d["drawn"], d["weight"]) for d in summary.get("sampling", {}).get("domains", [])}
+    return {"before": before, "after": after, "drawn": drawn}
 
 
 def _mean(d: dict) -> float:
@@ -92,8 +99,8 @@ def test_adaptive_vs_uniform_mixing_on_six_domains(tmp_path):
     for i, seed in enumerate(SEEDS):
         for mode in (("uniform", "adaptive") if i % 2 == 0 else ("adaptive", "uniform")):
             results[(mode, seed)] = run(tmp_path / f"{mode}-{seed}", mode, seed)
-    print(f"\nadaptive vs uniform mixing, SmolLM2-135M, {STEPS} steps, {EVAL_SIZE} held-out problems per domain, "
-          f"pass@1 over the job's sampled answers; domains: {', '.join(DOMAINS)}")
+    print(f"\nadaptive ({SIGNAL}) vs uniform mixing, SmolLM2-135M, {STEPS} steps, {EVAL_SIZE} held-out problems "
+          f"per domain, pass@1 over the job's sampled answers; domains: {', '.join(DOMAINS)}")
     for seed in SEEDS:
         for mode in ("uniform", "adaptive"):
             r = results[(mode, seed)]
@@ -102,6 +109,9 @@ def test_adaptive_vs_uniform_mixing_on_six_domains(tmp_path):
             print(f"  seed {seed} {mode:8s}: mean {_mean(r['before']):.3f} -> {_mean(r['after']):.3f}; "
                   + ", ".join(f"{d.removeprefix('rg.')} {r['before'][d]:.2f}->{r['after'][d]:.2f}" for d in DOMAINS)
                   + f"; worst {worst.removeprefix('rg.')} {change[worst]:+.3f}")
+            if r["drawn"]:
+                print("      drawn (final weight): " + ", ".join(
+                    f"{d.removeprefix('rg.')} {n} ({w:.2f})" for d, (n, w) in r["drawn"].items()))
         u, a = results[("uniform", seed)], results[("adaptive", seed)]
         ratio = _mean(a["after"]) / _mean(u["after"]) if _mean(u["after"]) else float("inf")
         print(f"  seed {seed}: adaptive / uniform mean held-out after: {ratio:.2f} (goal >= 1.2)")

@@ -201,7 +201,7 @@ def _len(data: bytes) -> bytes:
 
 def test_groups_are_validated_from_the_wire_packed_or_not(replay):
     """The server counts packed arrays without decoding them (replay/wire.py): unpacked arrays
-    (legal protobuf) are still read right, malformed packed varints are refused naming the field."""
+    (legal protobuf) are still read right, malformed packed arrays are refused naming the field."""
     client, _ = replay
     raw_insert = client._channel.stream_unary("/temper.v1.ReplayService/Insert", request_serializer=bytes,
                                               response_deserializer=replay_pb2.InsertResponse.FromString)
@@ -211,7 +211,7 @@ def test_groups_are_validated_from_the_wire_packed_or_not(replay):
     for t in g.trajectories:
         head = common_pb2.Trajectory(trajectory_id=t.trajectory_id, group_id=t.group_id, prompt_token_ids=t.prompt_token_ids,
                                      policy_version=t.policy_version, reward=t.reward).SerializeToString()
-        unpacked = b"".join(b"\x20" + varint(x) for x in t.completion_token_ids)  # field 4, one varint each
+        unpacked = b"".join(b"\x25" + struct.pack("<i", x) for x in t.completion_token_ids)  # field 4, sfixed32 each
         unpacked += b"".join(b"\x2d" + struct.pack("<f", x) for x in t.completion_logprobs)  # field 5, fixed32 each
         trajectories.append(b"\x2a" + _len(head + unpacked))  # RolloutGroup field 5
     group_bytes = body.SerializeToString() + b"".join(trajectories)
@@ -222,7 +222,7 @@ def test_groups_are_validated_from_the_wire_packed_or_not(replay):
     assert g in list(got.groups)
 
     bad = common_pb2.Trajectory(trajectory_id="x", completion_logprobs=[-1.0], reward=g.trajectories[0].reward)
-    bad_bytes = bad.SerializeToString() + b"\x22\x01\x85"  # one unterminated varint
+    bad_bytes = bad.SerializeToString() + b"\x22\x01\x85"  # field 4 packed: one byte, not a whole 4-byte id
     request = (replay_pb2.InsertRequest(table="default").SerializeToString() + b"\x12" +
                _len(common_pb2.RolloutGroup(group_id="bad-varint").SerializeToString() + b"\x2a" + _len(bad_bytes)))
     expect(IA, "requests[0].group.trajectories[0].completion_token_ids", raw_insert, iter([request]), timeout=10)

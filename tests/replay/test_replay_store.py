@@ -7,12 +7,14 @@ import threading
 
 import pytest
 
+from temper.replay.payloads import PayloadLog
 from temper.replay.store import ReplayStore
 from temper.replay.tables import TableConfig
 from temper.runtime.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound
 from temper.v1 import common_pb2
 from tests.builders import scored_group
 from tests.conftest import wait_until
+from tests.replay.util import schema1_bytes
 
 SAMPLERS = ["fifo", "lifo", "uniform", "prioritized"]
 
@@ -201,13 +203,41 @@ def test_opens_the_skeleton_schema(tmp_path):
         CREATE TABLE counters (tbl TEXT, name TEXT, value INTEGER, PRIMARY KEY (tbl, name));""")
     db.execute("INSERT INTO items (tbl, group_id, domain, policy_version, data, removed) VALUES "
                "('default', 'old', 'toy.copy', 0, NULL, 1), ('default', 'live', 'toy.copy', 0, ?, 0)",
-               (scored_group("live").SerializeToString(),))
+               (schema1_bytes(scored_group("live", tokens=300)),))
     db.execute("INSERT INTO counters VALUES ('default', 'inserts', 2), ('default', 'samples', 1)")
     db.close()
     store = ReplayStore(tmp_path / "r.sqlite", ["default"])
     assert store.insert("default", [scored_group("old")]).duplicates == 1
-    assert [d.group_id for d in store.sample("default", 1, timeout=0, max_batch=10).draws] == ["live"]
+    [draw] = store.sample("default", 1, timeout=0, max_batch=10).draws
+    assert draw.payload == scored_group("live", tokens=300).SerializeToString()  # token ids upgraded too
     assert (store.stats("default").inserts, store.stats("default").samples) == (2, 2)
+
+
+def test_opens_a_schema1_store_and_upgrades_its_token_ids(tmp_path):
+    """Schema 1 stored token ids as varints: opening it re-encodes every live group (the same
+    message), once; old segments are collected."""
+    groups = {f"g{i}": scored_group(f"g{i}", n=2, tokens=40 + i, seed=i) for i in range(6)}
+    store = open_store(tmp_path, t=dict(sampler="fifo", max_times_sampled=1))
+    store.insert("t", list(groups.values()))
+    store.close()
+    log = PayloadLog(tmp_path / "r-payloads")  # rewrite the rows as schema 1 left them
+    db = sqlite3.connect(tmp_path / "r.sqlite", isolation_level=None)
+    for seq, gid in db.execute("SELECT seq, group_id FROM items WHERE removed=0").fetchall():
+        data = schema1_bytes(groups[gid])
+        seg, off = log.append(data)
+        db.execute("UPDATE items SET seg=?, off=?, len=? WHERE seq=?", (seg, off, len(data), seq))
+    log.sync()
+    log.close()
+    db.execute("PRAGMA user_version=1")
+    db.close()
+    for _ in range(2):  # migrated once; reopening reads the migrated store as it is
+        store = open_store(tmp_path, t=dict(sampler="fifo", max_times_sampled=1))
+        assert store.stats("t").size == 6
+        assert len(list((tmp_path / "r-payloads").glob("seg-*"))) == 1  # the schema 1 segments collected
+        store.close()
+    store = open_store(tmp_path, t=dict(sampler="fifo", max_times_sampled=1))
+    draws = store.sample("t", 6, timeout=0, max_batch=10).draws
+    assert {d.group_id: d.payload for d in draws} == {gid: g.SerializeToString() for gid, g in groups.items()}
 
 
 def test_a_group_whose_reward_is_an_error_is_stored_for_the_learner_to_drop_and_count(tmp_path):

@@ -121,6 +121,34 @@ def test_adaptive_weights_follow_learning_progress_and_respect_the_floor():
     assert min(later.values()) >= 0.1 - 1e-12
 
 
+def test_learnability_weights_favour_domains_whose_groups_disagree():
+    """signal = "learnability": a domain always failed (or always solved) carries no GRPO signal and drops
+    to the floor; one whose groups split half and half gets the most."""
+    domains = ["toy.copy", "toy.next", "toy.add"]
+    p = policy(domains, adaptive={"window": 4, "floor": 0.1, "signal": "learnability"})
+    feed(p, "toy.copy", 0.5, 4)  # 4 of 8 pass: spread 0.5
+    feed(p, "toy.next", 0.0, 4)  # never: 0
+    feed(p, "toy.add", 0.125, 4)  # 1 of 8: sqrt(1/8 * 7/8) = 0.33
+    assert p.learning_progress("toy.copy") == pytest.approx(0.5)
+    assert p.learning_progress("toy.add") == pytest.approx((7 / 64) ** 0.5)
+    probs = p.probabilities()
+    assert probs["toy.copy"] > probs["toy.add"] > probs["toy.next"] == pytest.approx(0.1)
+    assert sum(probs.values()) == pytest.approx(1.0)
+    feed(p, "toy.copy", 1.0, 4)  # solved every time now: no signal left
+    later = p.probabilities()
+    assert later["toy.copy"] == pytest.approx(0.1) and later["toy.add"] == pytest.approx(0.8)
+
+
+def test_learnability_explores_an_unmeasured_domain_and_round_trips():
+    kw = {"adaptive": {"window": 1, "floor": 0.0, "signal": "learnability"}}  # one group is enough to measure
+    p = policy(["toy.copy", "toy.next"], **kw)
+    feed(p, "toy.copy", 0.25, 1)
+    assert p.probabilities()["toy.next"] == pytest.approx(0.5)  # not measured: the best signal of the others
+    q = policy(["toy.copy", "toy.next"], **kw)
+    q.load_state(json.loads(json.dumps(p.state())))
+    assert q.probabilities() == p.probabilities() and q.domain_view() == p.domain_view()
+
+
 def test_adaptive_weights_multiply_fixed_weights_and_a_new_domain_is_explored():
     p = policy(["toy.copy", "toy.next"], weights={"toy.copy": 3.0}, adaptive={"window": 4, "floor": 0.0})
     assert p.probabilities()["toy.copy"] == pytest.approx(0.75)
@@ -159,6 +187,9 @@ def test_state_round_trips():
      "sampling.curriculum.ladders[rg.chain_sum][1].max_termz"),
     ({"adaptive": {"floor": 0.6}}, "sampling.adaptive.floor"),
     ({"adaptive": {"window": 1.5}}, "sampling.adaptive.window"),
+    ({"adaptive": {"window": 1}}, "sampling.adaptive.window"),  # progress compares two halves
+    ({"adaptive": {"signal": "vibes"}}, "sampling.adaptive.signal"),
+    ({"adaptive": {"signal": 1}}, "sampling.adaptive.signal"),
     ({"difficulty_filter": {"low": 0.9, "high": 0.1}}, "sampling.difficulty_filter.low"),
     ({"dynamic_sampling": {"max_refill_ratio": -1}}, "sampling.dynamic_sampling.max_refill_ratio"),
 ])

@@ -82,7 +82,9 @@ def test_a_job_with_curriculum_and_adaptive_weights_reports_what_it_learned_per_
 
 
 def test_dynamic_sampling_and_loss_weights_in_the_real_loop(tmp_path):
-    summary = run_job(tmp_path, SAMPLING + DYNAMIC)
+    learnability = SAMPLING.replace(f"floor = {FLOOR}\n", f'floor = {FLOOR}\nsignal = "learnability"\n')
+    assert learnability != SAMPLING
+    summary = run_job(tmp_path, learnability + DYNAMIC)
     sampling = summary["sampling"]
     by = {d["domain"]: d for d in sampling["domains"]}
     # the learner trained every step on a full batch: the scheduler published prompts_per_step groups per step
@@ -95,6 +97,9 @@ def test_dynamic_sampling_and_loss_weights_in_the_real_loop(tmp_path):
     assert sum(d["groups"] for d in by.values()) == sum(d["drawn"] for d in by.values()) == sampling["groups_scored"]
     # loss weights: the lagging domain's groups weigh more than the leading one's
     assert by["rg.chain_sum"]["loss_weight"] >= 1.0 >= min(by["toy.copy"]["loss_weight"], by["toy.next"]["loss_weight"])
+    # learnability weights: chain_sum's groups never disagree (no GRPO signal): it is drawn at the floor only
+    assert by["rg.chain_sum"]["learning_progress"] == 0.0
+    assert by["rg.chain_sum"]["weight"] == pytest.approx(FLOOR)
 
 
 def test_rm_confidence_with_a_real_reward_model_in_the_loop(tmp_path):

@@ -43,14 +43,14 @@ from pathlib import Path
 
 from temper.replay.payloads import PayloadLog
 from temper.replay.tables import Draw, Removal, Table, TableConfig, TableStats
-from temper.replay.wire import array_lengths
+from temper.replay.wire import array_lengths, upgrade_token_ids
 from temper.runtime.errors import Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, require
 from temper.runtime.logs import get_logger
 from temper.runtime.sqlite import open_sqlite
 from temper.runtime.storage import Mirror
 from temper.v1 import common_pb2
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 1: token ids stored as varints (int32); 2: sfixed32 (the migration re-encodes)
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS items (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -201,7 +201,8 @@ class ReplayStore:
 
     # -- schema / loading ------------------------------------------------------------------------
     def _migrate(self) -> None:
-        if self._db.execute("PRAGMA user_version").fetchone()[0] >= SCHEMA_VERSION:
+        version = self._db.execute("PRAGMA user_version").fetchone()[0]
+        if version >= SCHEMA_VERSION:
             return
         old = {r[1] for r in self._db.execute("PRAGMA table_info(items)")}
         self._db.execute("BEGIN IMMEDIATE")
@@ -218,8 +219,26 @@ class ReplayStore:
                 self._db.execute("UPDATE items SET seg=?, off=?, len=?, data=NULL WHERE seq=?", (seg, off, len(data), seq))
             self._db.execute("UPDATE items SET data=NULL WHERE data IS NOT NULL")
             self.log.sync()
+        if version < 2:
+            self._upgrade_token_ids()
         self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         self._db.execute("COMMIT")
+
+    def _upgrade_token_ids(self) -> None:
+        """Schema 1 -> 2: every live group's bytes re-encoded with fixed-width token ids (written to
+        new segment space; the rows point there once committed, the old segments are collected by
+        ``_load``). A group that cannot be read stops the store: nothing is dropped."""
+        rows = self._db.execute("SELECT seq, seg, off, len FROM items WHERE removed=0 AND seg IS NOT NULL").fetchall()
+        readers: dict[str, Callable[[int, int], bytes]] = {}
+        for seq, seg, off, length in rows:
+            if seg not in readers:
+                readers[seg] = self.log.reader(seg)
+            data = upgrade_token_ids(readers[seg](off, length))
+            new_seg, new_off = self.log.append(data)
+            self._db.execute("UPDATE items SET seg=?, off=?, len=? WHERE seq=?", (new_seg, new_off, len(data), seq))
+        self.log.sync()
+        if rows:
+            _log.info("replay store migrated to schema 2 (fixed-width token ids)", groups=len(rows))
 
     def _load(self) -> None:
         """(Re)build every table's in-memory index from disk, apply each config's limits, and

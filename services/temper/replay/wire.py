@@ -1,13 +1,12 @@
 """Wire-level views of replay's messages, so a group's big arrays are never decoded by the server.
 
 Replay stores a group's bytes as received and needs from it only ids, versions, reward status
-and the *lengths* of its token and logprob arrays. Decoding ``repeated int32`` token ids is most
-of the cost of parsing a group (2,048 packed varints: ~50 µs in upb; the floats are ~1 µs), so
-the server parses requests with *view* types: copies of the real descriptors (built here from
-``temper.v1``'s own, so they cannot drift) in which ``Trajectory``'s three packed arrays are
-``repeated bytes``. A packed array is one length-delimited record on the wire, exactly what a
-bytes field reads; its element count is then the number of varint-final bytes (ids) or
-``len / 4`` (floats), and its well-formedness is checked as the real parser would.
+and the *lengths* of its token and logprob arrays. So the server parses requests with *view*
+types: copies of the real descriptors (built here from ``temper.v1``'s own, so they cannot
+drift) in which ``Trajectory``'s three packed arrays are ``repeated bytes``. A packed array is
+one length-delimited record on the wire, exactly what a bytes field reads; every one of the
+three is fixed-width (``sfixed32`` ids, ``float`` logprobs), so its element count is
+``len / 4`` and it is well-formed exactly when that divides.
 
 A sender may legally encode repeated scalars unpacked (one tagged value each); the view then
 sees no bytes for that array, so a trajectory whose view shows an empty completion array is
@@ -16,7 +15,6 @@ parsed again with the real type (``needs_full_parse``): slow, but right.
 
 from __future__ import annotations
 
-import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.message_factory import GetMessageClass
 
@@ -24,57 +22,73 @@ from temper.client.transport import varint  # noqa: F401 - framing of replay pay
 from temper.v1 import common_pb2, replay_pb2
 
 VIEW_PACKAGE = "temper.v1view"
+LEGACY_PACKAGE = "temper.v1schema1"
 PACKED_AS_BYTES = {"prompt_token_ids", "completion_token_ids", "completion_logprobs"}
+TOKEN_IDS = ("prompt_token_ids", "completion_token_ids")
+_TYPE = descriptor_pb2.FieldDescriptorProto
 
 
-def _build_views():
+def _copy(package: str, retype: dict[str, int], with_insert: bool) -> descriptor_pool.DescriptorPool:
+    """A pool holding ``temper.v1``'s messages (and replay's InsertRequest) under ``package``,
+    with ``Trajectory``'s fields named in ``retype`` given another type."""
     common = descriptor_pb2.FileDescriptorProto.FromString(common_pb2.DESCRIPTOR.serialized_pb)
     replay = descriptor_pb2.FileDescriptorProto.FromString(replay_pb2.DESCRIPTOR.serialized_pb)
-    view = descriptor_pb2.FileDescriptorProto(name="temper/v1view/view.proto", package=VIEW_PACKAGE, syntax="proto3")
-    view.enum_type.extend(common.enum_type)
-    view.message_type.extend(common.message_type)
-    view.message_type.extend(m for m in replay.message_type if m.name == "InsertRequest")
+    copy = descriptor_pb2.FileDescriptorProto(name=f"{package.replace('.', '/')}/copy.proto", package=package,
+                                              syntax="proto3")
+    copy.enum_type.extend(common.enum_type)
+    copy.message_type.extend(common.message_type)
+    if with_insert:
+        copy.message_type.extend(m for m in replay.message_type if m.name == "InsertRequest")
 
     def rename(message: descriptor_pb2.DescriptorProto) -> None:
         for f in message.field:
             if f.type_name.startswith(".temper.v1."):
-                f.type_name = f".{VIEW_PACKAGE}." + f.type_name.removeprefix(".temper.v1.")
-            if message.name == "Trajectory" and f.name in PACKED_AS_BYTES:
-                f.type = descriptor_pb2.FieldDescriptorProto.TYPE_BYTES
+                f.type_name = f".{package}." + f.type_name.removeprefix(".temper.v1.")
+            if message.name == "Trajectory" and f.name in retype:
+                f.type = retype[f.name]
                 f.ClearField("options")
         for nested in message.nested_type:
             rename(nested)
 
-    for m in view.message_type:
+    for m in copy.message_type:
         rename(m)
     pool = descriptor_pool.DescriptorPool()
-    pool.Add(view)
-    get = lambda name: GetMessageClass(pool.FindMessageTypeByName(f"{VIEW_PACKAGE}.{name}"))  # noqa: E731
-    return get("InsertRequest"), get("RolloutGroup"), get("Trajectory")
+    pool.Add(copy)
+    return pool
 
 
-InsertRequestView, RolloutGroupView, TrajectoryView = _build_views()
+def _message(pool: descriptor_pool.DescriptorPool, package: str, name: str):
+    return GetMessageClass(pool.FindMessageTypeByName(f"{package}.{name}"))
+
+
+_views = _copy(VIEW_PACKAGE, dict.fromkeys(PACKED_AS_BYTES, _TYPE.TYPE_BYTES), with_insert=True)
+InsertRequestView, RolloutGroupView, TrajectoryView = (
+    _message(_views, VIEW_PACKAGE, name) for name in ("InsertRequest", "RolloutGroup", "Trajectory"))
+# replay schema 1 stored groups whose token ids were varints (``int32``): read to migrate them
+LegacyRolloutGroup = _message(_copy(LEGACY_PACKAGE, dict.fromkeys(TOKEN_IDS, _TYPE.TYPE_INT32), with_insert=False),
+                        LEGACY_PACKAGE, "RolloutGroup")
+
+
+def upgrade_token_ids(data: bytes) -> bytes:
+    """A RolloutGroup's bytes written with varint (``int32``) token ids, as the current wire
+    (``sfixed32``): every other field exactly as it was."""
+    legacy = LegacyRolloutGroup.FromString(data)
+    ids = [[list(getattr(t, f)) for f in TOKEN_IDS] for t in legacy.trajectories]
+    for t in legacy.trajectories:
+        for f in TOKEN_IDS:
+            t.ClearField(f)
+    group = common_pb2.RolloutGroup.FromString(legacy.SerializeToString())
+    for t, arrays in zip(group.trajectories, ids):
+        for f, values in zip(TOKEN_IDS, arrays):
+            getattr(t, f).extend(values)
+    return group.SerializeToString()
+
+
 TRAJECTORY_VIEW = TrajectoryView.DESCRIPTOR
 
 
-def _varint_count(records) -> int:
-    """Elements in packed varint ``records``, or -1 if malformed: the last varint unterminated,
-    or one longer than 10 bytes (upb refuses both)."""
-    n = 0
-    for r in records:
-        if not r:
-            continue
-        high = np.frombuffer(r, np.uint8) >= 0x80
-        run = high[:-1] & high[1:]  # runs of continuation bytes, by doubling: 2, 4, 8, then 8 + 2 = 10
-        run4 = run[:-2] & run[2:]
-        run8 = run4[:-4] & run4[4:]
-        if high[-1] or (run8[:-2] & run[8:len(run8) - 2 + 8]).any():
-            return -1
-        n += high.size - int(np.count_nonzero(high))
-    return n
-
-
-def _float_count(records) -> int:
+def _fixed_count(records) -> int:
+    """Elements in packed 4-byte ``records``, or -1 if one is not a whole number of them."""
     n = 0
     for r in records:
         if len(r) % 4:
@@ -88,8 +102,8 @@ def array_lengths(t) -> tuple[int, int, str | None]:
     a Trajectory or a TrajectoryView; a view's packed bytes are checked as parsing would."""
     if t.DESCRIPTOR is not TRAJECTORY_VIEW:
         return len(t.completion_token_ids), len(t.completion_logprobs), None
-    tokens, logprobs = _varint_count(t.completion_token_ids), _float_count(t.completion_logprobs)
-    bad = ("prompt_token_ids" if _varint_count(t.prompt_token_ids) < 0 else
+    tokens, logprobs = _fixed_count(t.completion_token_ids), _fixed_count(t.completion_logprobs)
+    bad = ("prompt_token_ids" if _fixed_count(t.prompt_token_ids) < 0 else
            "completion_token_ids" if tokens < 0 else "completion_logprobs" if logprobs < 0 else None)
     return tokens, logprobs, bad
 
@@ -151,4 +165,4 @@ def decode_insert_request(data: bytes):
 
 
 __all__ = ["varint", "InsertRequestView", "RolloutGroupView", "TrajectoryView", "array_lengths", "decode_insert_request",
-           "needs_full_parse"]
+           "needs_full_parse", "upgrade_token_ids", "LegacyRolloutGroup", "TOKEN_IDS"]

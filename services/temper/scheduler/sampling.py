@@ -8,10 +8,14 @@ The ``[job.sampling]`` table turns policies on; they combine into one draw proba
 - ``difficulty_filter``: f_d = 1 while the domain's recent pass rate lies in [low, high], else
   ``outside_weight`` (never 0 for every domain at once: then f = 1); a prompt seen before whose own pass
   rate left the band is redrawn (procedural domains rarely repeat a prompt; small ones do);
-- ``adaptive``: a_d = learning progress, |mean reward of the newer half of the domain's last ``window``
-  groups - the older half| (forgetting draws attention as much as learning); a domain with too few
-  groups yet gets the largest progress of the others (explored first); no progress anywhere: a = 1;
-  ``floor`` is the smallest draw probability of any domain (no domain starves; n * floor <= 1);
+- ``adaptive``: a_d = the domain's adaptive signal over its last ``window`` groups. ``signal =
+  "progress"`` (default): learning progress, |mean reward of the newer half of those groups - the older
+  half| (forgetting draws attention as much as learning). ``signal = "learnability"``: the mean
+  within-group standard deviation of reward, i.e. how much GRPO signal the domain's groups carry (0 for a
+  domain always failed or always solved, largest where about half the answers pass: p(1 - p) for 0/1
+  rewards, as in learnability-prioritised curricula). A domain with too few groups yet gets the largest
+  signal of the others (explored first); no signal anywhere: a = 1; ``floor`` is the smallest draw
+  probability of any domain (no domain starves; n * floor <= 1);
 - ``curriculum``: per domain a level on a ladder of option sets (reasoning-gym's own curriculum, or a
   ``ladders`` entry); after ``window`` groups drawn at the current level, the level rises when their pass
   rate is > ``raise_above`` and falls when it is < ``lower_below``; groups drawn at another level
@@ -54,6 +58,7 @@ from temper.v1 import common_pb2
 
 MAX_WINDOW = 100_000
 PROMPT_MEMORY = 100_000  # prompts whose pass rate the difficulty filter remembers (least recently seen forgotten)
+ADAPTIVE_SIGNALS = ("progress", "learnability")
 
 
 @dataclass
@@ -78,7 +83,8 @@ class FilterConfig:
 
 @dataclass
 class AdaptiveConfig:
-    window: int = 16  # a domain's recent groups behind its learning progress (halves compared)
+    window: int = 16  # a domain's recent groups behind its signal (progress: halves compared)
+    signal: str = "progress"  # "progress" (change of recent mean reward) or "learnability" (within-group spread)
     floor: float = 0.02  # smallest draw probability of any domain
 
 
@@ -187,7 +193,8 @@ class SamplingConfig:
         if (a := self.adaptive) is not None:
             p = f"{prefix}.adaptive"
             _window(a.window, f"{p}.window")
-            require(a.window >= 2, f"{p}.window", "must be >= 2 (its halves are compared)")
+            require(a.signal in ADAPTIVE_SIGNALS, f"{p}.signal", f"must be one of {ADAPTIVE_SIGNALS}, got {a.signal!r}")
+            require(a.window >= 2 or a.signal != "progress", f"{p}.window", "must be >= 2 (its halves are compared)")
             require(a.floor >= 0 and a.floor * len(domains) <= 1, f"{p}.floor",
                     f"must be >= 0 with floor * {len(domains)} domains <= 1, got {a.floor}")
         if (lw := self.loss_weighting) is not None:
@@ -278,6 +285,8 @@ def _sub_table(cls, value, prefix: str):
             require(isinstance(v, list) and all(isinstance(x, str) for x in v), f, "must be a list of domain names")
         elif isinstance(default, dict):
             require(isinstance(v, dict), f, "must be a table")
+        elif isinstance(default, str):
+            require(isinstance(v, str), f, f"must be a string, got {v!r}")
         setattr(out, key, v)
     return out
 
@@ -297,6 +306,7 @@ class DomainStats:
     level_changes: int = 0
     recent_pass: deque = field(default_factory=deque)  # per group: fraction passed
     recent_reward: deque = field(default_factory=deque)  # per group: mean reward
+    recent_spread: deque = field(default_factory=deque)  # per group: standard deviation of its rewards
     recent_rm_confidence: deque = field(default_factory=deque)  # per group with RM scores: their confidence
     level_passes: int = 0  # over the groups drawn at the current level since it was set
     level_trajectories: int = 0
@@ -314,7 +324,8 @@ class SamplingPolicy:
         keep = max([16] + [p.window for p in (config.difficulty_filter, config.adaptive, config.curriculum) if p])
         rm_keep = config.rm_confidence.window if config.rm_confidence else 16
         self.stats = {d: DomainStats(recent_pass=deque(maxlen=keep), recent_reward=deque(maxlen=keep),
-                                     recent_rm_confidence=deque(maxlen=rm_keep)) for d in self.domains}
+                                     recent_spread=deque(maxlen=keep), recent_rm_confidence=deque(maxlen=rm_keep))
+                      for d in self.domains}
         if config.curriculum is not None:
             for d, ladder in self.ladders.items():
                 self.stats[d].level = min(config.curriculum.start_level, len(ladder) - 1)
@@ -430,7 +441,9 @@ class SamplingPolicy:
         s.passes += passed
         s.reward_sum += sum(rewards)
         s.recent_pass.append(passed / len(rewards))
-        s.recent_reward.append(sum(rewards) / len(rewards))
+        mean = sum(rewards) / len(rewards)
+        s.recent_reward.append(mean)
+        s.recent_spread.append(math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)))
         if not self.is_informative(rewards):
             s.zero_variance_groups += 1
         if self.config.difficulty_filter is not None:
@@ -467,6 +480,7 @@ class SamplingPolicy:
         s.level_groups = s.level_passes = s.level_trajectories = 0
         s.recent_pass.clear()  # the old level's pass rate says nothing of the new one's
         s.recent_reward.clear()
+        s.recent_spread.clear()
 
     def _in_band(self, domain: str) -> bool:
         fc = self.config.difficulty_filter
@@ -484,11 +498,15 @@ class SamplingPolicy:
         return sum(recent) / len(recent) if recent else 0.0
 
     def learning_progress(self, domain: str) -> float | None:
-        """|newer half - older half| of the mean reward over the domain's last ``adaptive.window`` groups;
-        None until that many groups are in (or without adaptive weights)."""
+        """The domain's adaptive signal over its last ``adaptive.window`` groups (module doc): progress,
+        |newer half - older half| of their mean rewards, or learnability, the mean of their within-group
+        reward standard deviations; None until that many groups are in (or without adaptive weights)."""
         a = self.config.adaptive
         if a is None:
             return None
+        if a.signal == "learnability":
+            spread = list(self.stats[domain].recent_spread)[-a.window:]
+            return sum(spread) / len(spread) if len(spread) >= a.window else None
         recent = list(self.stats[domain].recent_reward)[-a.window:]
         if len(recent) < a.window:
             return None
@@ -520,6 +538,7 @@ class SamplingPolicy:
         """The whole learned state, JSON-ready (what a checkpoint of the job holds)."""
         return {"domains": {d: {**{k: v for k, v in asdict(s).items() if not isinstance(v, deque)},
                                 "recent_pass": list(s.recent_pass), "recent_reward": list(s.recent_reward),
+                                "recent_spread": list(s.recent_spread),
                                 "recent_rm_confidence": list(s.recent_rm_confidence)}
                             for d, s in self.stats.items()},
                 "prompts": [[k, *v] for k, v in self._prompts.items()]}
@@ -530,7 +549,7 @@ class SamplingPolicy:
             if s is None:
                 raise InvalidArgument(f"saved state names domain {d!r}, not one of the job's", field="state.domains")
             for k, v in saved.items():
-                if k in ("recent_pass", "recent_reward", "recent_rm_confidence"):
+                if k in ("recent_pass", "recent_reward", "recent_spread", "recent_rm_confidence"):
                     getattr(s, k).clear()
                     getattr(s, k).extend(v)
                 else:
