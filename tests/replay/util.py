@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from temper.replay.wire import TOKEN_IDS, LegacyRolloutGroup
+from temper.replay.wire import LegacyRolloutGroup, recode_token_ids
 from temper.runtime.launcher import Launcher
 from temper.v1 import common_pb2
 
@@ -22,13 +22,4 @@ def start_replay(home: Path, model_dir: Path, replay_toml: str) -> tuple[Launche
 
 def schema1_bytes(group: common_pb2.RolloutGroup) -> bytes:
     """``group`` as replay schema 1 stored it: token ids as varints (``int32``)."""
-    stripped = common_pb2.RolloutGroup()
-    stripped.CopyFrom(group)
-    for t in stripped.trajectories:
-        for f in TOKEN_IDS:
-            t.ClearField(f)
-    legacy = LegacyRolloutGroup.FromString(stripped.SerializeToString())
-    for t, original in zip(legacy.trajectories, group.trajectories):
-        for f in TOKEN_IDS:
-            getattr(t, f).extend(getattr(original, f))
-    return legacy.SerializeToString()
+    return recode_token_ids(group, LegacyRolloutGroup).SerializeToString()

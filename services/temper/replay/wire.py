@@ -64,27 +64,32 @@ def _message(pool: descriptor_pool.DescriptorPool, package: str, name: str):
 _views = _copy(VIEW_PACKAGE, dict.fromkeys(PACKED_AS_BYTES, _TYPE.TYPE_BYTES), with_insert=True)
 InsertRequestView, RolloutGroupView, TrajectoryView = (
     _message(_views, VIEW_PACKAGE, name) for name in ("InsertRequest", "RolloutGroup", "Trajectory"))
+TRAJECTORY_VIEW = TrajectoryView.DESCRIPTOR
 # replay schema 1 stored groups whose token ids were varints (``int32``): read to migrate them
 LegacyRolloutGroup = _message(_copy(LEGACY_PACKAGE, dict.fromkeys(TOKEN_IDS, _TYPE.TYPE_INT32), with_insert=False),
-                        LEGACY_PACKAGE, "RolloutGroup")
+                              LEGACY_PACKAGE, "RolloutGroup")
+
+
+def recode_token_ids(group, to: type):
+    """``group`` (a RolloutGroup of either schema: ``common_pb2.RolloutGroup`` or ``LegacyRolloutGroup``) as a
+    ``to`` message: every other field through the wire, unchanged; the token ids, whose wire types differ,
+    carried over by value."""
+    stripped = type(group)()
+    stripped.CopyFrom(group)
+    for t in stripped.trajectories:
+        for f in TOKEN_IDS:
+            t.ClearField(f)
+    out = to.FromString(stripped.SerializeToString())
+    for t, source in zip(out.trajectories, group.trajectories):
+        for f in TOKEN_IDS:
+            getattr(t, f).extend(getattr(source, f))
+    return out
 
 
 def upgrade_token_ids(data: bytes) -> bytes:
     """A RolloutGroup's bytes written with varint (``int32``) token ids, as the current wire
     (``sfixed32``): every other field exactly as it was."""
-    legacy = LegacyRolloutGroup.FromString(data)
-    ids = [[list(getattr(t, f)) for f in TOKEN_IDS] for t in legacy.trajectories]
-    for t in legacy.trajectories:
-        for f in TOKEN_IDS:
-            t.ClearField(f)
-    group = common_pb2.RolloutGroup.FromString(legacy.SerializeToString())
-    for t, arrays in zip(group.trajectories, ids):
-        for f, values in zip(TOKEN_IDS, arrays):
-            getattr(t, f).extend(values)
-    return group.SerializeToString()
-
-
-TRAJECTORY_VIEW = TrajectoryView.DESCRIPTOR
+    return recode_token_ids(LegacyRolloutGroup.FromString(data), common_pb2.RolloutGroup).SerializeToString()
 
 
 def _fixed_count(records) -> int:
@@ -165,4 +170,4 @@ def decode_insert_request(data: bytes):
 
 
 __all__ = ["varint", "InsertRequestView", "RolloutGroupView", "TrajectoryView", "array_lengths", "decode_insert_request",
-           "needs_full_parse", "upgrade_token_ids", "LegacyRolloutGroup", "TOKEN_IDS"]
+           "needs_full_parse", "upgrade_token_ids", "recode_token_ids", "LegacyRolloutGroup", "TOKEN_IDS"]
