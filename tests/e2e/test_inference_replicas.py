@@ -129,6 +129,8 @@ def test_a_job_over_two_replicas_and_a_replica_restarted_mid_job(stack):
     assert {c.info().lineage for c in clients.values()} == {lineage}
     status = learner.status()
     assert dict(status.replica_errors) == {} and status.weight_push_failures == 0
+    # one host, one policy_dir (the launcher's): every version reached both replicas by reference
+    assert status.weight_pushes_by_reference >= 2 * STEPS and status.weight_pushes_streamed == 0
     # both served generation: a step's groups are split over both (`[scheduler] split_across_replicas`)
     home = Path(state.home)
     # a span reaches its file up to 1 s after it ended (the restarted replica's first process lost what it had

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from temper.client.sdk import InferenceClient
+from temper.inference import policy_store
 from temper.inference.weights import chunks_from_tensors
 from temper.runtime.rpc import check_health
 from temper.v1 import inference_pb2
@@ -16,14 +17,17 @@ from tests.conftest import spawn_service
 from tests.inference.teacher import max_logprob_error, perturbed, set_weights
 
 IA = grpc.StatusCode.INVALID_ARGUMENT
+FP = grpc.StatusCode.FAILED_PRECONDITION
 
 
 @pytest.fixture(scope="module")
 def service(tiny_dir, tmp_path_factory):
-    svc = spawn_service("inference", tmp_path_factory.mktemp("inference"), "--model-dir", str(tiny_dir), "--engine",
-                        "vllm", "--dtype", "float32", "--kv-cache-memory-bytes", str(32 << 20), timeout=240)
+    home = tmp_path_factory.mktemp("inference")
+    svc = spawn_service("inference", home, "--model-dir", str(tiny_dir), "--engine", "vllm", "--dtype", "float32",
+                        "--kv-cache-memory-bytes", str(32 << 20), "--policy-dir", str(home / "policy"), timeout=240)
     try:
         client = svc.client(InferenceClient, timeout=120)
+        client.policy_dir = home / "policy"  # what a learner on this host shares with it
         yield client, svc.proc
         client.close()
     finally:
@@ -123,3 +127,42 @@ def test_bad_requests_name_the_field_and_keep_the_old_version(service, teacher):
     resp = client.generate(["copy 1 2 3"], n=2, temperature=1.0, max_tokens=4)
     assert resp.policy_version == version
     assert max_logprob_error(teacher, resp.results, 1.0) < 1e-4  # still the checkpoint's weights
+
+
+def test_an_update_by_reference_installs_the_version_stored_in_the_shared_policy_dir(service, teacher):
+    """The learner's path on one host: the version written to policy_dir under an id, then installed by a one-message
+    UpdateWeights naming it (no tensor bytes over gRPC); the served policy is exactly the stored one. A reference
+    the server cannot honour is FAILED_PRECONDITION naming stored_id (the learner then streams), malformed ones
+    INVALID_ARGUMENT naming the field; none changes the serving version."""
+    client, proc = service
+    info = client.info()
+    assert info.reads_stored_updates
+    version = info.policy_version
+    checkpoint = {n: p.detach().clone() for n, p in teacher.named_parameters()}
+    new = perturbed(teacher, seed=33)
+    policy_store.write(client.policy_dir, new, version + 1, "", stored_id="id-1")
+    ref = lambda **kw: client.update_weights([inference_pb2.UpdateWeightsRequest(**kw)])  # noqa: E731
+    for field, code, kw in [
+            ("stored_id", FP, dict(stored_id="id-2", new_version=version + 1)),  # another writer's file
+            ("stored_id", FP, dict(stored_id="id-1", new_version=version + 2)),  # not stored
+            ("stored_id", FP, dict(stored_id="id-1", new_version=version + 1, lineage="run-x")),  # another lineage
+            ("new_version", IA, dict(stored_id="id-1")),
+            ("stored_id", IA, dict(stored_id="id-1", new_version=version + 1, tensor_name="x", data=b"12"))]:
+        expect(code, field, ref, **kw)
+    two = [inference_pb2.UpdateWeightsRequest(stored_id="id-1", new_version=version + 1)] * 2
+    expect(IA, "chunks[1]", client.update_weights, two)
+    late = [*chunks_from_tensors(checkpoint), inference_pb2.UpdateWeightsRequest(stored_id="id-1")]
+    expect(IA, f"chunks[{len(late) - 1}].stored_id", client.update_weights, late)
+    assert client.policy_version() == version and proc.poll() is None
+
+    update = ref(stored_id="id-1", new_version=version + 1)
+    assert update.policy_version == version + 1 and update.tensors == len(new)
+    assert update.bytes == policy_store.version_file(client.policy_dir, version + 1).stat().st_size
+    resp = client.generate(["copy 1 2 3"], n=3, temperature=0.9, max_tokens=6, seed=0)
+    assert resp.policy_version == version + 1
+    try:
+        set_weights(teacher, new)
+        assert max_logprob_error(teacher, resp.results, 0.9) < 1e-4
+    finally:
+        set_weights(teacher, checkpoint)
+    assert client.update_weights(chunks_from_tensors(checkpoint)).policy_version == version + 2  # back

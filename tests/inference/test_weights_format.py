@@ -146,7 +146,7 @@ def test_bytes_that_are_no_safetensors_blob_are_refused():
 
 
 # -- the wire: encoded chunks and decode_chunk ---------------------------------------------------
-FIELDS = ("tensor_name", "offset", "total_bytes", "sha256", "new_version", "xxh3_128", "lineage")
+FIELDS = ("tensor_name", "offset", "total_bytes", "sha256", "new_version", "xxh3_128", "lineage", "stored_id")
 
 
 def _same(view, message) -> bool:
@@ -170,7 +170,7 @@ def test_encoded_chunks_are_the_messages_wire_bytes_and_decode_without_a_copy(ch
 def test_decode_chunk_reads_what_protobuf_reads():
     """Last value wins, negative int64, unknown fields of every wire type skipped, empty message."""
     m = inference_pb2.UpdateWeightsRequest(tensor_name="x", data=b"\x00\x01", offset=3, total_bytes=2 ** 64 - 1,
-                                           new_version=-5, sha256="ab", xxh3_128="cd", lineage="é")
+                                           new_version=-5, sha256="ab", xxh3_128="cd", lineage="é", stored_id="s")
     later = inference_pb2.UpdateWeightsRequest(tensor_name="y", data=b"zz", offset=4)
     unknown = b"\x98\x06\x01" + b"\xa1\x06" + b"\x00" * 8 + b"\xad\x06" + b"\x00" * 4 + b"\xa2\x06\x02hi"
     for wire in (m.SerializeToString(), m.SerializeToString() + later.SerializeToString(),

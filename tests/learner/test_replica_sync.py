@@ -1,6 +1,7 @@
-"""The learner and its inference replicas without servers: real HF engines behind in-process clients.
+"""The learner and its inference replicas without servers: real HF engines and servicers behind in-process clients.
 
-Each push stores the version (policy_dir) before it reaches the replicas; a replica that is behind
+Each push stores the version (policy_dir) before it reaches the replicas; a replica that reads the same
+policy_dir installs it by reference, one that does not is streamed the chunks; a replica that is behind
 (restarted, missed a push) is brought to the learner's version; one of another lineage or model is
 named and never pushed to; an engine started from the store serves the learner's version."""
 
@@ -13,11 +14,12 @@ import torch
 from temper.inference import policy_store
 from temper.inference.engine import SamplingParams, build_engine
 from temper.inference.servicer import InferenceServicer
-from temper.inference.weights import WeightAssembler
+from temper.inference.weights import decode_chunk
 from temper.learner.loop import LearnerLoop
 from temper.learner.trainer import Trainer, TrainerConfig
 from temper.models.tiny import build_tiny_model
-from temper.runtime.errors import FailedPrecondition
+from temper.runtime.errors import FailedPrecondition, TemperError
+from temper.runtime.rpc import _details
 from temper.v1 import inference_pb2
 
 
@@ -29,15 +31,29 @@ class _Down(grpc.RpcError):
         return "down"
 
 
-class Replica:
-    """An InferenceClient's surface over a real engine and servicer, in process."""
+class _Refused(grpc.RpcError):
+    """What the server's error mapping answers for a TemperError (temper.runtime.rpc)."""
 
-    def __init__(self, address, model_dir):
+    def __init__(self, e: TemperError):
+        self._code, self._details = e.code, _details(e)
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+
+class Replica:
+    """An InferenceClient's surface over a real engine and servicer, in process; ``policy_dir``: the folder it
+    reads stored versions from (the learner's, as on one host, or another one, as on another host)."""
+
+    def __init__(self, address, model_dir, policy_dir=""):
         self.address = address
         self.engine = build_engine("hf", model_dir, seed=0)
-        self.servicer = InferenceServicer(self.engine, 4 << 20, model_name=str(model_dir))
+        self.servicer = InferenceServicer(self.engine, 4 << 20, model_name=str(model_dir), policy_dir=str(policy_dir))
         self.down = False
-        self.pushes = 0
+        self.pushes = self.by_reference = self.refused = 0
 
     def info(self):
         if self.down:
@@ -47,9 +63,15 @@ class Replica:
     def update_weights(self, chunks):
         if self.down:
             raise _Down()
-        a = WeightAssembler.collect(chunks, 4 << 20, 1 << 30)
+        chunks = [decode_chunk(c) if isinstance(c, bytes) else c for c in chunks]  # as the server reads them
+        try:
+            response = self.servicer.UpdateWeights(iter(chunks), None)
+        except TemperError as e:
+            self.refused += 1
+            raise _Refused(e) from e
         self.pushes += 1
-        return self.engine.apply_weights(a.tensors, a.new_version, a.lineage)
+        self.by_reference += bool(chunks[0].stored_id)
+        return response
 
     def close(self):
         self.engine.close()
@@ -139,3 +161,32 @@ def test_a_replica_of_a_larger_vocabulary_is_named(model_dir, replicas, tmp_path
     loop.sync_replicas()
     assert f"inference replica {replicas[0].address} serves a vocabulary of {loop.trainer.vocab_size + 10} " \
            f"tokens; the learner's model has {loop.trainer.vocab_size}" in loop.state.replica_errors[replicas[0].address]
+
+
+def test_a_replica_sharing_the_policy_dir_gets_each_version_by_reference_the_other_is_streamed(model_dir, tmp_path):
+    near = Replica("127.0.0.1:9200", model_dir, policy_dir=tmp_path / "policy")  # the learner's folder: one host
+    far = Replica("127.0.0.1:9201", model_dir, policy_dir=tmp_path / "elsewhere")  # another host's folder
+    try:
+        loop = _loop(model_dir, [near, far], tmp_path / "policy")
+        with torch.no_grad():
+            next(loop.trainer.model.parameters()).add_(0.5)
+        for v in (1, 2):
+            loop.trainer.policy_version = v
+            loop._push(v)
+        assert (near.pushes, near.by_reference) == (2, 2)
+        assert (far.pushes, far.by_reference, far.refused) == (2, 0, 1)  # asked by reference once, then streamed
+        s = loop.state
+        assert (s.pushes_by_reference, s.pushes_streamed, s.push_failures) == (2, 2, 0)
+        for r in (near, far):
+            assert (r.engine.policy_version, r.engine.lineage) == (2, loop.lineage)
+        prompt, params = [[2, 5, 6]], SamplingParams(n=1, temperature=0.0, max_tokens=3)
+        a, _ = near.engine.generate(prompt, params)
+        b, _ = far.engine.generate(prompt, params)
+        assert a[0].completions[0].token_ids == b[0].completions[0].token_ids
+        assert a[0].completions[0].logprobs == pytest.approx(b[0].completions[0].logprobs, abs=1e-5)
+        near.engine.policy_version = 0  # as a restarted replica: the sync pushes the stored version by reference
+        near.engine.lineage = ""
+        assert loop.sync_replicas() == [near.address] and near.by_reference == 3
+    finally:
+        near.close()
+        far.close()

@@ -166,6 +166,8 @@ def test_trains_publishes_checkpoints_pauses_and_resumes_after_a_crash(learner_s
     status = learner.status()
     assert status.resumed and status.step == 7 and status.policy_version == 51
     assert inference.policy_version() == 51 and status.weight_push_failures == 0
+    # the launcher gives learner and inference one policy_dir: pushes go by reference, no chunk streamed
+    assert status.weight_pushes_by_reference == 1 and status.weight_pushes_streamed == 0
 
 
 def test_groups_with_reward_errors_never_stall_the_job_every_policy_version_advances(learner_stack):

@@ -7,28 +7,50 @@ the learner pushed last, or at a newer one it gets by the learner's next push. L
 ``v<version>.safetensors`` (the weights, in the engine's dtype) and ``latest.json`` (``{"version",
 "lineage", "file"}``), replaced atomically after the weights are complete; the two newest versions are
 kept (a reader that read ``latest.json`` just before a write still finds its file).
+
+Updates by reference (``read_version``): the learner stores a version under an id of its own (the file's
+safetensors metadata ``temper_id``, with ``temper_version`` and ``temper_lineage``) and asks each replica
+to install that version from its policy_dir (``UpdateWeightsRequest.stored_id``). A replica whose
+policy_dir is this folder maps the file into memory instead of receiving every byte
+over gRPC; one whose policy_dir is another folder (another host) finds no file with that id.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import mmap
 import os
+import struct
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from temper.inference.weights import MAX_HEADER_BYTES, SAFETENSORS_DTYPES
+
 LATEST = "latest.json"
 KEEP = 2
 
 
-def write(policy_dir: str | Path, tensors: dict[str, torch.Tensor], version: int, lineage: str) -> Path:
-    """Store ``tensors`` as ``version`` of ``lineage`` and make it the latest; returns the weights' file."""
+class NotStored(LookupError):
+    """The version asked for is not in this folder under that id (a message says which and why)."""
+
+
+def version_file(policy_dir: str | Path, version: int) -> Path:
+    return Path(policy_dir) / f"v{version:08d}.safetensors"
+
+
+def write(policy_dir: str | Path, tensors: dict[str, torch.Tensor], version: int, lineage: str,
+          stored_id: str = "") -> Path:
+    """Store ``tensors`` as ``version`` of ``lineage`` (under ``stored_id``, for updates by reference) and make
+    it the latest; returns the weights' file."""
     root = Path(policy_dir)
     root.mkdir(parents=True, exist_ok=True)
-    target = root / f"v{version:08d}.safetensors"
+    target = version_file(root, version)
     tmp = root / f".{target.name}.{os.getpid()}.tmp"
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
+    metadata = {"temper_id": stored_id, "temper_version": str(version), "temper_lineage": lineage}
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
     tmp.replace(target)
     meta = root / f".{LATEST}.{os.getpid()}.tmp"
     meta.write_text(json.dumps({"version": version, "lineage": lineage, "file": target.name}))
@@ -58,3 +80,58 @@ def read(policy_dir: str | Path) -> tuple[dict[str, torch.Tensor], int, str] | N
         except FileNotFoundError:
             continue
     raise RuntimeError(f"{policy_dir}: the latest policy kept changing under the reader")
+
+
+def read_version(policy_dir: str | Path, version: int, stored_id: str, lineage: str,
+                 max_bytes: int) -> tuple[dict[str, torch.Tensor], int]:
+    """(tensors, file size) of ``version`` as stored under ``stored_id`` for ``lineage``; NotStored when this
+    folder has no such file (none of that version, or one another writer stored: another folder than the
+    learner's, an older run's), ValueError when the file is larger than ``max_bytes`` or not a safetensors file.
+    The tensors are views of the file mapped into memory (copy-on-write, so nothing can write to the file
+    through them): installing them copies each byte once. Files are replaced, never rewritten, so the
+    mapping keeps this version's bytes even after the file is pruned."""
+    path = version_file(policy_dir, version)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > max_bytes:
+                raise ValueError(f"{path} is {size} bytes, over this server's update limit of {max_bytes}")
+            if size < 8:
+                raise ValueError(f"{path} is not a safetensors file: {size} bytes")
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except FileNotFoundError as e:
+        raise NotStored(f"{path} does not exist") from e
+    head = struct.unpack_from("<Q", mapped)[0]
+    if not 0 < head <= min(MAX_HEADER_BYTES, size - 8):
+        raise ValueError(f"{path} is not a safetensors file: a header of {head} bytes")
+    try:
+        header = json.loads(mapped[8:8 + head])
+    except ValueError as e:
+        raise ValueError(f"{path} is not a safetensors file: {e}") from e
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is not a safetensors file: its header is not an object")
+    meta = header.pop("__metadata__", None) or {}
+    if (meta.get("temper_id"), meta.get("temper_version"), meta.get("temper_lineage")) != \
+            (stored_id, str(version), lineage):
+        raise NotStored(f"{path} holds version {meta.get('temper_version')} stored under id "
+                        f"{meta.get('temper_id')!r} (lineage {meta.get('temper_lineage')!r}), not "
+                        f"{version} under {stored_id!r} (lineage {lineage!r})")
+    base, tensors = 8 + head, {}
+    for name, info in header.items():
+        ok = isinstance(info, dict) and info.get("dtype") in SAFETENSORS_DTYPES and isinstance(info.get("shape"), list)
+        shape, offsets = (info.get("shape"), info.get("data_offsets")) if ok else (None, None)
+        ok = ok and all(isinstance(d, int) and d >= 0 for d in shape) and isinstance(offsets, list) and \
+            len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+        dtype = SAFETENSORS_DTYPES[info["dtype"]] if ok else None
+        if not ok or not 0 <= offsets[0] <= offsets[1] <= size - base or \
+                offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"{path} is not a safetensors file: bad entry for {name!r}: {str(info)[:200]}")
+        start, numel = base + offsets[0], math.prod(shape)
+        if numel == 0:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+        elif start % dtype.itemsize:  # unaligned for its dtype (another writer's packing): a copy
+            tensors[name] = torch.frombuffer(mapped, dtype=torch.uint8, count=numel * dtype.itemsize,
+                                             offset=start).clone().view(dtype).reshape(shape)
+        else:
+            tensors[name] = torch.frombuffer(mapped, dtype=dtype, count=numel, offset=start).reshape(shape)
+    return tensors, size

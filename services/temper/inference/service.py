@@ -55,7 +55,8 @@ class InferenceService(Service[InferenceConfig]):
                 _log.info("loaded the learner's current policy", policy_version=version, lineage=lineage,
                           policy_dir=self.config.policy_dir)
         self.servicer = InferenceServicer(engine, self.config.max_chunk_bytes, model_name=self.config.model_dir,
-                                          max_sequences=self.config.max_sequences_per_request)
+                                          max_sequences=self.config.max_sequences_per_request,
+                                          policy_dir=self.config.policy_dir)
 
     def register(self, server) -> list[str]:
         from temper.inference.servicer import register

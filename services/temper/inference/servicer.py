@@ -2,17 +2,21 @@
 
 ``UpdateWeights`` reads its chunks with ``decode_chunk`` (``register`` installs it): each chunk's tensor
 bytes are copied once, from the received message into the tensor, not first into a protobuf message.
+An update by reference (one message with ``stored_id``) is read from this server's policy_dir instead
+(``policy_store.read_version``): no tensor byte crosses gRPC.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import grpc
 
 from temper.inference.engine import Engine, SamplingParams
 from temper.inference.weights import WeightAssembler, decode_chunk
-from temper.runtime.errors import reject_unknown_fields, require
+from temper.inference import policy_store
+from temper.runtime.errors import FailedPrecondition, reject_unknown_fields, require
 from temper.runtime.rpc import add_service
 from temper.v1 import inference_pb2, inference_pb2_grpc
 
@@ -20,8 +24,10 @@ SERVICE = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"]
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
-    def __init__(self, engine: Engine, max_chunk_bytes: int, model_name: str, max_sequences: int = 4096):
+    def __init__(self, engine: Engine, max_chunk_bytes: int, model_name: str, max_sequences: int = 4096,
+                 policy_dir: str = ""):
         self.engine = engine
+        self.policy_dir = policy_dir  # where updates by reference (stored_id) are read from; "": none taken
         self.max_chunk_bytes = max_chunk_bytes
         self.model_name = model_name
         self.max_sequences = max_sequences  # prompts x n of one request: one call must not exhaust memory
@@ -58,16 +64,44 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             for r in results])
 
     def UpdateWeights(self, request_iterator, context):
-        assembler = WeightAssembler.collect(request_iterator, self.max_chunk_bytes, self.max_update_bytes)
+        request_iterator = iter(request_iterator)
+        first = next(request_iterator, None)
+        if first is not None and getattr(first, "stored_id", ""):
+            tensors, size = self._stored(first, request_iterator)
+            version = self.engine.apply_weights(tensors, first.new_version, first.lineage)
+            return inference_pb2.UpdateWeightsResponse(policy_version=version, tensors=len(tensors), bytes=size,
+                                                       apply_seconds=self.engine.last_apply_seconds)
+        chunks = itertools.chain([first], request_iterator) if first is not None else ()
+        assembler = WeightAssembler.collect(chunks, self.max_chunk_bytes, self.max_update_bytes)
         version = self.engine.apply_weights(assembler.tensors, assembler.new_version, assembler.lineage)
         return inference_pb2.UpdateWeightsResponse(policy_version=version, tensors=len(assembler.tensors),
                                                    bytes=assembler.bytes,
                                                    apply_seconds=self.engine.last_apply_seconds)
 
+    def _stored(self, first, rest) -> tuple[dict, int]:
+        """The tensors of an update by reference (``first.stored_id``), read from this server's policy_dir."""
+        require(first.new_version > 0, "new_version", "required (> 0) with stored_id: the stored version to install")
+        require(not first.tensor_name and not len(first.data) and not first.total_bytes and not first.offset,
+                "stored_id", "an update by reference carries no tensor fields (tensor_name, data, offset, "
+                "total_bytes)")
+        require(next(rest, None) is None, "chunks[1]", "an update by stored_id is the stream's only message")
+        if not self.policy_dir:
+            raise FailedPrecondition("this server has no policy_dir to read stored versions from: stream the chunks",
+                                     field="stored_id")
+        try:
+            return policy_store.read_version(self.policy_dir, first.new_version, first.stored_id, first.lineage,
+                                             self.max_update_bytes)
+        except policy_store.NotStored as e:
+            raise FailedPrecondition(f"not in this server's policy_dir ({e}): stream the chunks",
+                                     field="stored_id") from e
+        except ValueError as e:
+            raise FailedPrecondition(str(e), field="stored_id") from e
+
     def GetPolicyVersion(self, request, context):
         return inference_pb2.GetPolicyVersionResponse(policy_version=self.engine.policy_version, model=self.model_name,
                                                       engine=self.engine.name, vocab_size=self.engine.vocab_size,
-                                                      lineage=self.engine.lineage)
+                                                      lineage=self.engine.lineage,
+                                                      reads_stored_updates=bool(self.policy_dir))
 
 
 def register(servicer: InferenceServicer, server: grpc.Server) -> str:

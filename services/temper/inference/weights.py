@@ -94,15 +94,16 @@ class Chunk:
     """An UpdateWeightsRequest read from its wire bytes by ``decode_chunk``: the same fields, ``data`` a view
     of those bytes rather than a copy (upb copies it into the message, and reading the field copies it again)."""
 
-    __slots__ = ("tensor_name", "data", "offset", "total_bytes", "sha256", "new_version", "xxh3_128", "lineage")
+    __slots__ = ("tensor_name", "data", "offset", "total_bytes", "sha256", "new_version", "xxh3_128", "lineage",
+                 "stored_id")
 
     def __init__(self):
-        self.tensor_name = self.sha256 = self.xxh3_128 = self.lineage = ""
+        self.tensor_name = self.sha256 = self.xxh3_128 = self.lineage = self.stored_id = ""
         self.data = memoryview(b"")
         self.offset = self.total_bytes = self.new_version = 0
 
 
-_STRINGS = {1: "tensor_name", 5: "sha256", 7: "xxh3_128", 8: "lineage"}
+_STRINGS = {1: "tensor_name", 5: "sha256", 7: "xxh3_128", 8: "lineage", 9: "stored_id"}
 _UINT64 = {3: "offset", 4: "total_bytes"}
 
 
@@ -261,6 +262,7 @@ class WeightAssembler:
             except ValueError as e:
                 raise InvalidArgument(f"not a valid message: {e}", field=field) from e
         data = chunk.data  # a Chunk's a view of the received bytes (a message's a copy); into the tensor from it
+        require(not chunk.stored_id, f"{field}.stored_id", "an update by reference is the stream's only message")
         require(bool(chunk.tensor_name), f"{field}.tensor_name", "required")
         require(len(data) <= self.max_chunk_bytes, f"{field}.data",
                 f"{len(data)} bytes exceed the max chunk size {self.max_chunk_bytes}")

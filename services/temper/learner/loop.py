@@ -65,7 +65,7 @@ from temper.runtime.errors import InvalidArgument, require
 from temper.runtime.logs import get_logger
 from temper.runtime.storage import Mirror, StorageError
 from temper.runtime.tracing import links_to, tracer
-from temper.v1 import common_pb2, replay_pb2
+from temper.v1 import common_pb2, inference_pb2, replay_pb2
 
 _log = get_logger(component="learner-loop")
 
@@ -82,6 +82,8 @@ LEASES_LOST = Counter("temper_learner_replay_leases_lost", "Replay leases this l
 SKIPPED = Counter("temper_learner_skipped_batches",
                   "Batches, and malformed groups of a batch, refused (never trained on), by field", ["field"])
 PUSH_FAILURES = Counter("temper_learner_weight_push_failures", "Weight pushes an inference replica refused")
+PUSHES = Counter("temper_learner_weight_pushes", "Weight pushes a replica installed, by how they went: by_reference "
+                 "(read from the shared policy_dir) or streamed (every byte over gRPC)", ["mode"])
 CHECKPOINTS = Counter("temper_learner_checkpoints", "Checkpoints written")
 PRIORITY_UPDATES = Counter("temper_learner_priority_updates", "Group priorities replay accepted from this learner")
 DROPPED = Counter("temper_learner_dropped_groups", "Groups left out of a batch (the rest trained on), by reason",
@@ -100,6 +102,8 @@ class LearnerState:
     dropped_groups: int = 0  # every reason, stale included
     dropped_by_reason: dict[str, int] = field(default_factory=dict)
     push_failures: int = 0
+    pushes_by_reference: int = 0  # installed from the shared policy_dir (UpdateWeightsRequest.stored_id)
+    pushes_streamed: int = 0  # installed from chunks streamed over gRPC
     checkpoint_step: int = -1  # -1: none yet
     checkpoint_path: str = ""
     resumed: bool = False
@@ -152,6 +156,8 @@ class LearnerLoop:
         self.mirror = mirror  # object storage that every checkpoint is uploaded to (runtime.storage)
         self.policy_dir = Path(policy_dir) if policy_dir else None
         self.lineage = uuid.uuid4().hex[:16]  # this run's versions; a resumed checkpoint brings its own
+        self._stored: tuple[int, str] | None = None  # (version, stored_id) of the newest version in policy_dir
+        self._stream_to: set[str] = set()  # replicas that do not read policy_dir: streamed the chunks
         self.state = LearnerState()
         self._lock = threading.Lock()  # one step / checkpoint at a time
         self._pending: tuple[list[common_pb2.RolloutGroup], list[replay_pb2.SampleInfo]] | None = None
@@ -482,24 +488,54 @@ class LearnerLoop:
 
     def _push(self, version: int, replicas: list[InferenceClient] | None = None, store: bool = True) -> None:
         """Store the current weights as ``version`` (policy_dir; ``store``), then send them to ``replicas``
-        (default: every replica, re-resolved); a refusal is logged and counted."""
+        (default: every replica, re-resolved); a refusal is logged and counted.
+
+        A replica that reads the same policy_dir (``reads_stored_updates``; the local launcher gives both
+        services one folder) gets the version by reference (``stored_id``): it reads the file just stored
+        instead of receiving every byte over gRPC. One that does not find it there (its policy_dir is another
+        folder: another host) is streamed the chunks, now and from then on."""
         weights = None
         if self.policy_dir is not None and store:  # first: a replica starting now loads this version
             weights = self.trainer.push_weights()  # in the engine's dtype: bf16 halves the bytes sent
-            policy_store.write(self.policy_dir, weights, version, self.lineage)
+            stored_id = uuid.uuid4().hex
+            policy_store.write(self.policy_dir, weights, version, self.lineage, stored_id)
+            self._stored = (version, stored_id)
         replicas = self.current_replicas() if replicas is None else replicas
         replicas = [r for r in replicas if r.address not in self.state.replica_errors]
         if not replicas:
             return
-        weights = self.trainer.push_weights() if weights is None else weights
         for replica in replicas:
             try:
+                if self._push_stored(replica, version):
+                    continue
+                weights = self.trainer.push_weights() if weights is None else weights
                 replica.update_weights(chunks_from_tensors(weights, new_version=version, lineage=self.lineage,
                                                            encoded=True))
+                self.state.pushes_streamed += 1
+                PUSHES.labels("streamed").inc()
             except grpc.RpcError as e:
                 self.state.push_failures += 1
                 PUSH_FAILURES.inc()
                 _log.error("weight push failed", replica=replica.address, code=e.code().name, details=e.details())
+
+    def _push_stored(self, replica: InferenceClient, version: int) -> bool:
+        """Push ``version`` to ``replica`` by reference when it is stored and the replica may read it; False:
+        stream it instead (not stored, or the replica does not read this learner's policy_dir)."""
+        if self._stored is None or self._stored[0] != version or replica.address in self._stream_to:
+            return False
+        try:
+            replica.update_weights([inference_pb2.UpdateWeightsRequest(
+                stored_id=self._stored[1], new_version=version, lineage=self.lineage)])
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.FAILED_PRECONDITION or not (e.details() or "").startswith("stored_id:"):
+                raise
+            self._stream_to.add(replica.address)
+            _log.info("streaming weights to this replica: it does not read the learner's policy_dir",
+                      replica=replica.address, why=e.details())
+            return False
+        self.state.pushes_by_reference += 1
+        PUSHES.labels("by_reference").inc()
+        return True
 
     def replica_problem(self, address: str, info) -> str:
         """Why the replica at ``address`` (its GetPolicyVersionResponse ``info``) must not get this learner's

@@ -20,7 +20,8 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             stale_groups_dropped=s.stale_groups_dropped, weight_push_failures=s.push_failures,
             checkpoint_step=s.checkpoint_step, checkpoint_path=s.checkpoint_path, resumed=s.resumed,
             dropped_groups=s.dropped_groups, dropped_by_reason=s.dropped_by_reason,
-            replica_errors=s.replica_errors, lineage=self.loop.lineage, replica_syncs=s.replica_syncs)
+            replica_errors=s.replica_errors, lineage=self.loop.lineage, replica_syncs=s.replica_syncs,
+            weight_pushes_by_reference=s.pushes_by_reference, weight_pushes_streamed=s.pushes_streamed)
 
     def Status(self, request, context):
         return learner_pb2.StatusResponse(status=self._status())

@@ -1,0 +1,86 @@
+"""policy_store.read_version: the version the learner stored under an id, mapped, or a refusal that says why."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+
+from temper.inference import policy_store
+from temper.inference.policy_store import NotStored, read_version, version_file
+
+
+def _tensors():
+    g = torch.Generator().manual_seed(0)
+    return {"a.weight": torch.randn(3, 5, generator=g), "b.bias": torch.randn(7, generator=g).to(torch.bfloat16),
+            "c.ids": torch.arange(6, dtype=torch.int64).reshape(2, 3), "d.empty": torch.zeros(0, 4)}
+
+
+def test_the_stored_version_reads_back_exactly_as_views_of_the_file(tmp_path):
+    tensors = _tensors()
+    path = policy_store.write(tmp_path, tensors, 3, "run-1", stored_id="id-3")
+    got, size = read_version(tmp_path, 3, "id-3", "run-1", 1 << 20)
+    assert size == path.stat().st_size and set(got) == set(tensors)
+    for name, t in tensors.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+    # pruned (the learner keeps two versions) while mapped: the mapping keeps this version's bytes
+    for v in (4, 5):
+        policy_store.write(tmp_path, {k: t + 1 if t.is_floating_point() else t for k, t in tensors.items()}, v,
+                           "run-1", stored_id=f"id-{v}")
+    assert not path.exists() and torch.equal(got["a.weight"], tensors["a.weight"])
+    got["a.weight"].add_(1)  # copy-on-write: the file is never written through a mapping
+    assert torch.equal(read_version(tmp_path, 5, "id-5", "run-1", 1 << 20)[0]["a.weight"], tensors["a.weight"] + 1)
+
+
+@pytest.mark.parametrize("ask", [dict(stored_id="id-other"), dict(lineage="run-2"), dict(version=4)])
+def test_another_writers_file_or_a_missing_version_is_not_stored(tmp_path, ask):
+    policy_store.write(tmp_path, _tensors(), 3, "run-1", stored_id="id-3")
+    args = {"version": 3, "stored_id": "id-3", "lineage": "run-1", **ask}
+    with pytest.raises(NotStored):
+        read_version(tmp_path, args["version"], args["stored_id"], args["lineage"], 1 << 20)
+
+
+def test_a_file_over_the_limit_is_refused_before_it_is_read(tmp_path):
+    path = policy_store.write(tmp_path, _tensors(), 3, "run-1", stored_id="id-3")
+    with pytest.raises(ValueError, match=f"{path.stat().st_size} bytes, over"):
+        read_version(tmp_path, 3, "id-3", "run-1", 100)
+
+
+def _raw(tmp_path, header: dict, data: bytes, version: int = 1):
+    header = {"__metadata__": {"temper_id": "x", "temper_version": str(version), "temper_lineage": ""}, **header}
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)  # the data starts 8-aligned, as safetensors writes it
+    version_file(tmp_path, version).write_bytes(struct.pack("<Q", len(h)) + h + data)
+
+
+@pytest.mark.parametrize("entry", [
+    {"dtype": "F32", "shape": [2], "data_offsets": [0, 12]},  # size disagrees with the shape
+    {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},  # runs past the end of the file
+    {"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]},  # unknown dtype
+    {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]},
+    {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]},
+    "not an object"])
+def test_a_malformed_file_is_refused_naming_the_entry(tmp_path, entry):
+    _raw(tmp_path, {"w": entry}, b"\x00" * 8)
+    with pytest.raises(ValueError, match="'w'"):
+        read_version(tmp_path, 1, "x", "", 1 << 20)
+
+
+@pytest.mark.parametrize("content", [b"", b"\x01\x00", struct.pack("<Q", 1 << 40) + b"{}", struct.pack("<Q", 2) + b"[]",
+                                     struct.pack("<Q", 3) + b"{x}"])
+def test_bytes_that_are_no_safetensors_file_are_refused(tmp_path, content):
+    version_file(tmp_path, 1).write_bytes(content)
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        read_version(tmp_path, 1, "x", "", 1 << 20)
+
+
+def test_a_tensor_unaligned_for_its_dtype_is_copied_right(tmp_path):
+    odd = torch.tensor([1.5], dtype=torch.bfloat16)  # 2 bytes: the next tensor starts off its 4-byte alignment
+    f = torch.tensor([0.25, -3.0], dtype=torch.float32)
+    data = odd.view(torch.uint8).numpy().tobytes() + f.view(torch.uint8).numpy().tobytes()
+    _raw(tmp_path, {"odd": {"dtype": "BF16", "shape": [1], "data_offsets": [0, 2]},
+                    "f": {"dtype": "F32", "shape": [2], "data_offsets": [2, 10]}}, data)
+    got, _ = read_version(tmp_path, 1, "x", "", 1 << 20)
+    assert torch.equal(got["odd"], odd) and torch.equal(got["f"], f)
