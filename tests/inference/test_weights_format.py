@@ -125,8 +125,9 @@ def _with_header(name: str, header: dict, data: bytes) -> list:
 
 @pytest.mark.parametrize("header, data, words", [
     ({"w": {"dtype": "F32", "shape": [1 << 40], "data_offsets": [0, 1 << 42]}}, b"\0" * 16, "data_offsets"),
-    ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 12, "12 sent"),
+    ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 12, "12 bytes of data"),
     ({"w": {"dtype": "C64", "shape": [2], "data_offsets": [0, 16]}}, b"\0" * 16, "bad entry"),
+    ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 16, "bytes 0-8 of 16, not all of them"),
     ({"w": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}}, b"\0" * 16, "bad shape"),
     ({"v": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 16, r"blob holds \['v'\]"),
 ])

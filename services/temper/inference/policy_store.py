@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from temper.inference.weights import MAX_HEADER_BYTES, SAFETENSORS_DTYPES
+from temper.inference.weights import MAX_HEADER_BYTES, tensor_entry
 
 LATEST = "latest.json"
 KEEP = 2
@@ -118,15 +118,11 @@ def read_version(policy_dir: str | Path, version: int, stored_id: str, lineage: 
                         f"{version} under {stored_id!r} (lineage {lineage!r})")
     base, tensors = 8 + head, {}
     for name, info in header.items():
-        ok = isinstance(info, dict) and info.get("dtype") in SAFETENSORS_DTYPES and isinstance(info.get("shape"), list)
-        shape, offsets = (info.get("shape"), info.get("data_offsets")) if ok else (None, None)
-        ok = ok and all(isinstance(d, int) and d >= 0 for d in shape) and isinstance(offsets, list) and \
-            len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
-        dtype = SAFETENSORS_DTYPES[info["dtype"]] if ok else None
-        if not ok or not 0 <= offsets[0] <= offsets[1] <= size - base or \
-                offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize:
-            raise ValueError(f"{path} is not a safetensors file: bad entry for {name!r}: {str(info)[:200]}")
-        start, numel = base + offsets[0], math.prod(shape)
+        try:
+            dtype, shape, offset, _ = tensor_entry(info, size - base)
+        except ValueError as e:
+            raise ValueError(f"{path} is not a safetensors file: entry {name!r}: {e}") from e
+        start, numel = base + offset, math.prod(shape)
         if numel == 0:
             tensors[name] = torch.empty(shape, dtype=dtype)
         elif start % dtype.itemsize:  # unaligned for its dtype (another writer's packing): a copy

@@ -42,6 +42,26 @@ MAX_HEADER_BYTES = 1 << 20  # one tensor's header is ~100 bytes; more is not a b
 TORCH_TO_SAFETENSORS = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
+def tensor_entry(info: object, data_bytes: int) -> tuple[torch.dtype, list[int], int, int]:
+    """One safetensors header entry checked against a data section of ``data_bytes``: (dtype, shape, start, end),
+    its bytes' place in that section. ValueError saying what is wrong: not an entry, an unknown dtype, a bad
+    shape, data_offsets that disagree with the shape or leave the section. Both readers of safetensors from
+    outside use it: a streamed blob (``_Incoming``) and a stored file (``policy_store.read_version``)."""
+    if not (isinstance(info, dict) and info.get("dtype") in SAFETENSORS_DTYPES and isinstance(info.get("shape"), list)):
+        raise ValueError(f"bad entry {str(info)[:200]}")
+    shape = info["shape"]
+    if not all(type(d) is int and d >= 0 for d in shape):
+        raise ValueError(f"bad shape {str(shape)[:200]}")
+    dtype = SAFETENSORS_DTYPES[info["dtype"]]
+    nbytes = math.prod(shape) * dtype.itemsize
+    offsets = info.get("data_offsets")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1] <= data_bytes and offsets[1] - offsets[0] == nbytes):
+        raise ValueError(f"{info['dtype']} {shape} is {nbytes} bytes, data_offsets {str(offsets)[:100]}, "
+                         f"{data_bytes} bytes of data")
+    return dtype, shape, offsets[0], offsets[1]
+
+
 def safetensors_parts(name: str, tensor: torch.Tensor) -> tuple[bytes, memoryview]:
     """The safetensors blob of one tensor as (length prefix + header, the tensor's own bytes without a copy):
     byte for byte what ``safetensors.torch.save({name: tensor})`` writes (compact JSON, padded with spaces to
@@ -210,16 +230,13 @@ class _Incoming:
         require(isinstance(meta, dict), field, "not a safetensors blob: the header is not an object")
         names = [k for k in meta if k != "__metadata__"]
         require(names == [self.name], field, f"blob holds {names}, expected [{self.name!r}]")
-        info = meta[self.name]
-        ok = isinstance(info, dict) and info.get("dtype") in SAFETENSORS_DTYPES and isinstance(info.get("shape"), list)
-        require(ok, field, f"not a safetensors blob: bad entry {str(info)[:200]}")
-        shape = info["shape"]
-        require(all(isinstance(d, int) and d >= 0 for d in shape), field, f"bad shape {shape}")
-        dtype = SAFETENSORS_DTYPES[info["dtype"]]
-        nbytes = math.prod(shape) * dtype.itemsize
-        require(info.get("data_offsets") == [0, nbytes] and len(self.header) + nbytes == self.total, field,
-                f"not a safetensors blob: {info['dtype']} {shape} is {nbytes} bytes, data_offsets "
-                f"{info.get('data_offsets')}, {self.total - len(self.header)} sent")
+        data_bytes = self.total - len(self.header)
+        try:
+            dtype, shape, start, end = tensor_entry(meta[self.name], data_bytes)
+        except ValueError as e:
+            raise InvalidArgument(f"not a safetensors blob: {e}", field=field) from e
+        require((start, end) == (0, data_bytes), field,
+                f"not a safetensors blob: its tensor is bytes {start}-{end} of {data_bytes}, not all of them")
         self.tensor = torch.empty(shape, dtype=dtype)
         self._dst = self.tensor.reshape(-1).view(torch.uint8).numpy()
         return view
