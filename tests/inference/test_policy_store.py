@@ -84,3 +84,24 @@ def test_a_tensor_unaligned_for_its_dtype_is_copied_right(tmp_path):
                     "f": {"dtype": "F32", "shape": [2], "data_offsets": [2, 10]}}, data)
     got, _ = read_version(tmp_path, 1, "x", "", 1 << 20)
     assert torch.equal(got["odd"], odd) and torch.equal(got["f"], f)
+
+
+def test_the_file_written_without_a_second_copy_is_what_safetensors_reads(tmp_path):
+    """policy_store.write streams each tensor's own bytes after the header (no file built in memory first): the
+    result is a safetensors file that safetensors itself reads back, metadata included (what `read`, transformers
+    and vLLM load), with every tensor aligned to its dtype (wider dtypes first)."""
+    from safetensors import safe_open
+
+    tensors = _tensors()
+    path = policy_store.write(tmp_path, tensors, 2, "run-1", stored_id="id-2")
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata() == {"temper_id": "id-2", "temper_version": "2", "temper_lineage": "run-1"}
+        assert set(f.keys()) == set(tensors)
+        for name, t in tensors.items():
+            assert torch.equal(f.get_tensor(name), t), name
+    head = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    header = json.loads(path.read_bytes()[8:8 + head])
+    assert (8 + head) % 8 == 0
+    for name, t in tensors.items():
+        assert header[name]["data_offsets"][0] % t.element_size() == 0, name
+    assert policy_store.read(tmp_path)[1:] == (2, "run-1")

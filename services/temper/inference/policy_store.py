@@ -25,9 +25,9 @@ import struct
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from temper.inference.weights import MAX_HEADER_BYTES, tensor_entry
+from temper.inference.weights import MAX_HEADER_BYTES, safetensors_file_parts, tensor_entry
 
 LATEST = "latest.json"
 KEEP = 2
@@ -50,7 +50,11 @@ def write(policy_dir: str | Path, tensors: dict[str, torch.Tensor], version: int
     target = version_file(root, version)
     tmp = root / f".{target.name}.{os.getpid()}.tmp"
     metadata = {"temper_id": stored_id, "temper_version": str(version), "temper_lineage": lineage}
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    head, views = safetensors_file_parts(tensors, metadata)
+    with open(tmp, "wb") as f:  # the tensors' bytes straight from their memory: one copy
+        f.write(head)
+        for view in views:
+            f.write(view)
     tmp.replace(target)
     meta = root / f".{LATEST}.{os.getpid()}.tmp"
     meta.write_text(json.dumps({"version": version, "lineage": lineage, "file": target.name}))

@@ -66,15 +66,34 @@ def safetensors_parts(name: str, tensor: torch.Tensor) -> tuple[bytes, memoryvie
     """The safetensors blob of one tensor as (length prefix + header, the tensor's own bytes without a copy):
     byte for byte what ``safetensors.torch.save({name: tensor})`` writes (compact JSON, padded with spaces to
     8 bytes), so a receiver cannot tell them apart."""
-    t = tensor.detach().contiguous().cpu()
-    dtype = TORCH_TO_SAFETENSORS.get(t.dtype)
-    if dtype is None:
-        raise InvalidArgument(f"tensor {name}: dtype {t.dtype} has no safetensors name", field="tensors")
-    data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-    header = json.dumps({name: {"dtype": dtype, "shape": list(t.shape), "data_offsets": [0, len(data)]}},
-                        separators=(",", ":")).encode()
-    header += b" " * (-len(header) % 8)
-    return struct.pack("<Q", len(header)) + header, data
+    head, (data,) = safetensors_file_parts({name: tensor})
+    return head, data
+
+
+def safetensors_file_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+                           ) -> tuple[bytes, list[memoryview]]:
+    """A safetensors file of ``tensors`` as (length prefix + header, each tensor's own bytes without a copy, in
+    the order the header places them): writing the parts one after another writes the file with one copy of
+    the data, where ``safetensors.torch.save_file`` first builds the whole file in memory. Wider dtypes first
+    (as safetensors orders them), so every tensor starts aligned to its dtype for readers that map the file."""
+    flat = {}
+    for name, tensor in tensors.items():
+        t = tensor.detach().contiguous().cpu()
+        if t.dtype not in TORCH_TO_SAFETENSORS:
+            raise InvalidArgument(f"tensor {name}: dtype {t.dtype} has no safetensors name", field="tensors")
+        flat[name] = t
+    header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    views, offset = [], 0
+    for name in sorted(flat, key=lambda n: -flat[n].element_size()):  # stable: names keep their order
+        t = flat[name]
+        data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        header[name] = {"dtype": TORCH_TO_SAFETENSORS[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        views.append(data)
+        offset += len(data)
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    return struct.pack("<Q", len(encoded)) + encoded, views
 
 
 def chunks_from_tensors(tensors: dict[str, torch.Tensor], chunk_bytes: int = DEFAULT_CHUNK_BYTES,
