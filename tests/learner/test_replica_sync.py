@@ -44,6 +44,17 @@ class _Refused(grpc.RpcError):
         return self._details
 
 
+class _Internal(grpc.RpcError):
+    def __init__(self, e: Exception):
+        self._details = f"internal error: {type(e).__name__}: {e}"
+
+    def code(self):
+        return grpc.StatusCode.INTERNAL
+
+    def details(self):
+        return self._details
+
+
 class Replica:
     """An InferenceClient's surface over a real engine and servicer, in process; ``policy_dir``: the folder it
     reads stored versions from (the learner's, as on one host, or another one, as on another host)."""
@@ -69,6 +80,9 @@ class Replica:
         except TemperError as e:
             self.refused += 1
             raise _Refused(e) from e
+        except Exception as e:  # what the server's error mapping answers for anything else: INTERNAL
+            self.refused += 1
+            raise _Internal(e) from e
         self.pushes += 1
         self.by_reference += bool(chunks[0].stored_id)
         return response
@@ -190,3 +204,31 @@ def test_a_replica_sharing_the_policy_dir_gets_each_version_by_reference_the_oth
     finally:
         near.close()
         far.close()
+
+
+def test_a_replica_failing_to_read_the_stored_file_gets_that_version_streamed(model_dir, tmp_path, monkeypatch):
+    """An internal error on the replica's side of an update by reference (here: its read of the stored file
+    raises) does not cost the version: the learner streams it at once, and asks by reference again next time."""
+    from temper.inference import servicer as servicer_module
+
+    near = Replica("127.0.0.1:9300", model_dir, policy_dir=tmp_path / "policy")
+    real_read, failures = servicer_module.policy_store.read_version, [1]
+
+    def flaky_read(*args, **kwargs):
+        if failures:
+            failures.pop()
+            raise RuntimeError("disk on fire")
+        return real_read(*args, **kwargs)
+
+    monkeypatch.setattr(servicer_module.policy_store, "read_version", flaky_read)
+    try:
+        loop = _loop(model_dir, [near], tmp_path / "policy")
+        for v in (1, 2):
+            loop.trainer.policy_version = v
+            loop._push(v)
+        assert (near.refused, near.pushes, near.by_reference) == (1, 2, 1)  # v1: refused, streamed; v2: by reference
+        s = loop.state
+        assert (s.pushes_by_reference, s.pushes_streamed, s.push_failures) == (1, 1, 0)
+        assert near.engine.policy_version == 2 and near.address not in loop._stream_to
+    finally:
+        near.close()

@@ -520,13 +520,18 @@ class LearnerLoop:
 
     def _push_stored(self, replica: InferenceClient, version: int) -> bool:
         """Push ``version`` to ``replica`` by reference when it is stored and the replica may read it; False:
-        stream it instead (not stored, or the replica does not read this learner's policy_dir)."""
+        stream it instead (not stored, or the replica does not read this learner's policy_dir -- then from now
+        on -- or it failed reading the file with an internal error: then this version only)."""
         if self._stored is None or self._stored[0] != version or replica.address in self._stream_to:
             return False
         try:
             replica.update_weights([inference_pb2.UpdateWeightsRequest(
                 stored_id=self._stored[1], new_version=version, lineage=self.lineage)])
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.INTERNAL:  # the replica failed reading the file: the bytes still reach it
+                _log.warning("update by reference failed on the replica; streaming this version",
+                             replica=replica.address, version=version, why=e.details())
+                return False
             if e.code() != grpc.StatusCode.FAILED_PRECONDITION or not (e.details() or "").startswith("stored_id:"):
                 raise
             self._stream_to.add(replica.address)
