@@ -99,8 +99,9 @@ def test_the_file_written_without_a_second_copy_is_what_safetensors_reads(tmp_pa
         assert set(f.keys()) == set(tensors)
         for name, t in tensors.items():
             assert torch.equal(f.get_tensor(name), t), name
-    head = struct.unpack("<Q", path.read_bytes()[:8])[0]
-    header = json.loads(path.read_bytes()[8:8 + head])
+    raw = path.read_bytes()
+    head = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + head])
     assert (8 + head) % 8 == 0
     for name, t in tensors.items():
         assert header[name]["data_offsets"][0] % t.element_size() == 0, name

@@ -1,6 +1,6 @@
 """The embedded broker supervised, with real processes. ``[broker] storage = "s3"``: kill -9 of the broker, then
 of its object store, each time the supervisor starts them again on the same address and nothing is lost or
-stored twice (a producer made before the kills keeps sending: its id survived; replay's consumer group goes
+stored twice (a producer made before the kills keeps sending; replay's consumer group goes
 on from its committed offsets), and a producer sending while the broker is killed again and again loses no
 message the broker acknowledged (Temper's producers are not Kafka-idempotent for that reason: temper.runtime.kafka).
 Memory storage: a killed broker is not restarted (its topics died with it)
@@ -17,9 +17,8 @@ import pytest
 from google.protobuf import wrappers_pb2
 from kafka import KafkaConsumer
 
-from temper.runtime import broker as embedded
-
 from temper.client.sdk import ReplayClient
+from temper.runtime import broker as embedded
 from temper.runtime import kafka
 from temper.runtime.launcher import Launcher, pid_alive
 from tests.builders import scored_group
