@@ -190,6 +190,7 @@ def test_weight_update_bench(tmp_path):
         update, floor, by_ref, by_ref_write = float("inf"), float("inf"), float("inf"), 0.0
         update_cpu, floor_cpu, apply_seconds, by_ref_cpu, by_ref_apply = 0.0, 0.0, 0.0, 0.0, 0.0
         version = 0
+        writer = policy_store.Writer(policy_dir)  # as the learner stores: the next file allocated while it trains
         for _ in range(ROUNDS):
             cpu0 = _cpu_seconds()
             t0 = time.perf_counter()
@@ -210,7 +211,7 @@ def test_weight_update_bench(tmp_path):
             cpu0 = _cpu_seconds() + _cpu_seconds(svc.proc.pid)
             version += 1
             t0 = time.perf_counter()
-            policy_store.write(policy_dir, tensors, version, "", stored_id=f"bench-{version}")
+            writer.write(tensors, version, "", stored_id=f"bench-{version}")  # waits for the spare if not ready
             written = time.perf_counter() - t0
             resp = client.update_weights([inference_pb2.UpdateWeightsRequest(stored_id=f"bench-{version}",
                                                                              new_version=version)])
@@ -239,6 +240,7 @@ def test_weight_update_bench(tmp_path):
         finally:
             sink.kill()
             sink.wait()
+        writer.close()
         client.close()
     finally:
         svc.stop()

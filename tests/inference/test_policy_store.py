@@ -106,3 +106,45 @@ def test_the_file_written_without_a_second_copy_is_what_safetensors_reads(tmp_pa
     for name, t in tensors.items():
         assert header[name]["data_offsets"][0] % t.element_size() == 0, name
     assert policy_store.read(tmp_path)[1:] == (2, "run-1")
+
+
+def test_the_writer_stores_each_version_into_a_file_allocated_after_the_previous_write(tmp_path):
+    """policy_store.Writer: after a write, the next version's file is allocated in the background (one spare,
+    sized like the last version); the next write takes it (renamed, written, cut to size: no stale bytes of a
+    larger spare survive), the versions read back exactly, a reader's mapping of an earlier version keeps its
+    bytes, and close removes the spare. Spares a killed writer left are removed by the next Writer."""
+    (tmp_path / f"{policy_store.SPARE}.left-by-a-killed-learner.tmp").write_bytes(b"x" * 100)
+    writer = policy_store.Writer(tmp_path)
+    assert not list(tmp_path.glob(f"{policy_store.SPARE}.*"))
+    big = {**_tensors(), "z.pad": torch.ones(1000)}
+    first = writer.write(big, 1, "run-1", stored_id="id-1")
+    mapped, _ = read_version(tmp_path, 1, "id-1", "run-1", 1 << 20)
+    writer._allocating.join()
+    spares = list(tmp_path.glob(f"{policy_store.SPARE}.*.tmp"))
+    assert len(spares) == 1 and spares[0].stat().st_size == first.stat().st_size
+    small = _tensors()
+    second = writer.write(small, 2, "run-1", stored_id="id-2")  # smaller than the spare: cut to its own size
+    assert not spares[0].exists()
+    assert second.stat().st_size < first.stat().st_size
+    got, size = read_version(tmp_path, 2, "id-2", "run-1", 1 << 20)
+    assert size == second.stat().st_size and set(got) == set(small)
+    for name, t in small.items():
+        assert torch.equal(got[name], t), name
+    assert torch.equal(mapped["z.pad"], big["z.pad"])  # version 1's mapping untouched by version 2's write
+    writer.write(big, 3, "run-1", stored_id="id-3")
+    assert torch.equal(read_version(tmp_path, 3, "id-3", "run-1", 1 << 20)[0]["z.pad"], big["z.pad"])
+    assert policy_store.read(tmp_path)[1:] == (3, "run-1")
+    writer.close()
+    assert not list(tmp_path.glob(f"{policy_store.SPARE}.*"))
+    assert sorted(p.name for p in tmp_path.glob("v*.safetensors")) == ["v00000002.safetensors", "v00000003.safetensors"]
+
+
+def test_a_writer_whose_spare_vanished_writes_a_new_file(tmp_path):
+    writer = policy_store.Writer(tmp_path)
+    writer.write(_tensors(), 1, "run-1", stored_id="id-1")
+    writer._allocating.join()
+    for spare in tmp_path.glob(f"{policy_store.SPARE}.*.tmp"):
+        spare.unlink()
+    writer.write(_tensors(), 2, "run-1", stored_id="id-2")
+    assert torch.equal(read_version(tmp_path, 2, "id-2", "run-1", 1 << 20)[0]["a.weight"], _tensors()["a.weight"])
+    writer.close()

@@ -155,6 +155,8 @@ class LearnerLoop:
         self.priority_signal = priority_signal  # sent to replay as each group's priority after a step
         self.mirror = mirror  # object storage that every checkpoint is uploaded to (runtime.storage)
         self.policy_dir = Path(policy_dir) if policy_dir else None
+        # stores each version, its file allocated while the previous step trained
+        self._writer = policy_store.Writer(self.policy_dir) if self.policy_dir is not None else None
         self.lineage = uuid.uuid4().hex[:16]  # this run's versions; a resumed checkpoint brings its own
         self._stored: tuple[int, str] | None = None  # (version, stored_id) of the newest version in policy_dir
         self._stream_to: set[str] = set()  # replicas that do not read policy_dir: streamed the chunks
@@ -183,6 +185,8 @@ class LearnerLoop:
         self._stop.set()
         self._resume.set()
         self._thread.join(30)
+        if self._writer is not None:
+            self._writer.close()  # the spare file allocated for the next version
 
     def _run(self) -> None:
         try:
@@ -495,10 +499,10 @@ class LearnerLoop:
         instead of receiving every byte over gRPC. One that does not find it there (its policy_dir is another
         folder: another host) is streamed the chunks, now and from then on."""
         weights = None
-        if self.policy_dir is not None and store:  # first: a replica starting now loads this version
+        if self._writer is not None and store:  # first: a replica starting now loads this version
             weights = self.trainer.push_weights()  # in the engine's dtype: bf16 halves the bytes sent
             stored_id = uuid.uuid4().hex
-            policy_store.write(self.policy_dir, weights, version, self.lineage, stored_id)
+            self._writer.write(weights, version, self.lineage, stored_id)
             self._stored = (version, stored_id)
         replicas = self.current_replicas() if replicas is None else replicas
         replicas = [r for r in replicas if r.address not in self.state.replica_errors]
