@@ -10,7 +10,8 @@ before and after Temper and its better figure of each counts.
 Temper's clients start from RolloutGroup messages in hand (as Reverb's start from numpy arrays)
 and go through the SDK: ``ReplayClient.insert_future`` (batch messages, one call per 256 groups,
 answered once durable, two calls in flight per writer) and ``ReplayClient.sample_batches``
-(groups parsed, with SampleInfo; one and two calls in flight, the better counts).
+(groups parsed, with SampleInfo; one SampleStream call for all the batches, as Reverb's sampler streams;
+one Sample call per batch reported beside it).
 Temper runs twice, ``fsync = false`` (durable against kill -9, as Reverb's in-memory tables are
 not even that) and ``fsync = true`` (durable against an OS crash too). Goal: >= 1.0x Reverb with
 fsync off. Run: ``make bench-peers`` once, then ``make bench``.
@@ -37,7 +38,7 @@ REVERB_PYTHON = REVERB_VENV / "bin" / "python"
 PEER = Path(__file__).with_name("reverb_peer.py")
 ITEMS = int(os.environ.get("TEMPER_BENCH_REPLAY_ITEMS", "8192"))
 SAMPLE_BATCHES, BATCH, TOKENS, CALL = 150, 64, 2048, 256
-IN_FLIGHT = 2  # calls a client keeps outstanding (Reverb: 32 unconfirmed items per writer, 128 samples in flight)
+IN_FLIGHT = 2  # insert calls a writer keeps outstanding (Reverb: 32 unconfirmed items per writer)
 CONFIG = """
 [replay]
 ingest_tables = []
@@ -98,18 +99,22 @@ def insert(address: str, table: str, items: list, priorities: list[float] | None
     return n / (time.perf_counter() - t0)
 
 
-def sample(address: str, table: str, batches: int) -> dict[int, float]:
-    """Items/s sampled with 1 and with ``IN_FLIGHT`` calls outstanding (the better counts, as Reverb's better
-    of its two ways does): on 2 cores a second call in flight makes the server's threads contend for the GIL."""
+def sample(address: str, table: str, batches: int) -> dict[str, float]:
+    """Items/s sampled over one SampleStream call (``sample_batches``: what counts, as Reverb's client streams
+    its samples too) and, for reference, with one Sample call per batch."""
     client = ReplayClient(address, timeout=300)
     try:
         client.sample_batch(BATCH, table)
         out = {}
-        for in_flight in (1, IN_FLIGHT):
-            t0 = time.perf_counter()
-            for r in client.sample_batches(BATCH, table, in_flight=in_flight, count=batches):
-                assert len(r.groups) == BATCH and len(r.groups[0].trajectories[0].completion_token_ids) == TOKENS
-            out[in_flight] = batches * BATCH / (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for r in client.sample_batches(BATCH, table, count=batches):
+            assert len(r.groups) == BATCH and len(r.groups[0].trajectories[0].completion_token_ids) == TOKENS
+        out["stream"] = batches * BATCH / (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for _ in range(batches):
+            r = client.sample_batch(BATCH, table)
+            assert len(r.groups) == BATCH and len(r.groups[0].trajectories[0].completion_token_ids) == TOKENS
+        out["unary"] = batches * BATCH / (time.perf_counter() - t0)
         return out
     finally:
         client.close()
@@ -123,8 +128,8 @@ def temper_side(home: Path, model_dir: Path, fsync: bool, items: list, prioritie
                "insert_1": insert(address, "uniform", items, None, 1),
                "insert_4": insert(address, "prioritized", items, priorities, 4)}
         for t in ("uniform", "prioritized"):
-            out[f"sample_{t}_in_flight"] = ways = sample(address, t, SAMPLE_BATCHES)
-            out[f"sample_{t}"] = max(ways.values())
+            out[f"sample_{t}_ways"] = ways = sample(address, t, SAMPLE_BATCHES)
+            out[f"sample_{t}"] = ways["stream"]
         return out
     finally:
         launcher.down()
@@ -158,9 +163,9 @@ def test_replay_vs_reverb(tmp_path, replay_model_dir):
     runs.append(reverb_side())
     reverb = {k: max(r[k] for r in runs) for k in runs[0] if not isinstance(runs[0][k], dict)}
     print("\nReverb runs (before, after):", json.dumps(runs))
-    print("Temper's sampling by calls in flight (fsync off, on):",
+    print("Temper's sampling, one stream vs a call per batch (fsync off, on):",
           json.dumps({f"fsync {fsync} {k}": v for fsync in (False, True) for k, v in temper[fsync].items()
-                      if k.endswith("_in_flight")}))
+                      if k.endswith("_ways")}))
     print(f"\nreplay vs DeepMind Reverb 0.14, {ITEMS} items of {TOKENS} tokens + {TOKENS} logprobs + reward "
           f"(Reverb {reverb['item_bytes']} B, Temper {temper[False]['item_bytes']} B as protobuf); "
           f"sample: {SAMPLE_BATCHES} batches of {BATCH}; items/s")

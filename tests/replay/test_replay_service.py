@@ -40,6 +40,8 @@ max_policy_lag = 2
 domain_quotas = { "math" = 2 }
 
 [replay.tables.lease]
+
+[replay.tables.stream]
 """
 IA = grpc.StatusCode.INVALID_ARGUMENT
 
@@ -228,12 +230,53 @@ def test_groups_are_validated_from_the_wire_packed_or_not(replay):
     expect(IA, "requests[0].group.trajectories[0].completion_token_ids", raw_insert, iter([request]), timeout=10)
 
 
-def test_sdk_insert_future_and_sample_batches_with_calls_in_flight(replay):
+def test_sdk_insert_future_and_sample_batches_over_one_stream(replay):
     client, _ = replay
     futures = [client.insert_future([scored_group(f"fut-{k}-{i}") for i in range(3)], table="prio") for k in range(3)]
     assert [f.result().inserted for f in futures] == [3, 3, 3]
-    batches = list(client.sample_batches(4, table="prio", in_flight=3, count=5))
+    batches = list(client.sample_batches(4, table="prio", count=5))
     assert len(batches) == 5 and all(len(b.groups) == len(b.info) == 4 for b in batches)
+    assert all(b.info[0].probability > 0 and not b.lease_id for b in batches)
+    endless = client.sample_batches(4, table="prio")  # count None: until closed
+    assert [len(next(endless).groups) for _ in range(7)] == [4] * 7
+    endless.close()
     with pytest.raises(grpc.RpcError) as e:  # errors surface from the batch that failed
         next(client.sample_batches(4, table="nope", count=1))
     assert e.value.code() == IA and "table" in e.value.details()
+
+
+def test_a_sample_stream_is_validated_and_loses_no_group_of_a_table_whose_draws_use_them_up(replay):
+    """SampleStream: bad settings refused with the field named; on a sample-once table a stream needs a lease,
+    and the batches drawn ahead for a caller that stops reading go back to the table when their leases run
+    out: every group is still there to be drawn (no accepted group lost); one that cannot be filled in time
+    ends the stream with DEADLINE_EXCEEDED after the batches it sent."""
+    client, _ = replay
+    raw = client._sample_stream
+    expect(IA, "count", lambda: next(raw(replay_pb2.SampleStreamRequest(table="stream", batch_size=1, count=-1,
+                                                                        lease_ms=1000), timeout=10)))
+    expect(IA, "timeout_ms", lambda: next(raw(replay_pb2.SampleStreamRequest(
+        table="prio", batch_size=1, timeout_ms=10**12), timeout=10)))
+    expect(IA, "batch_size", lambda: next(client.sample_batches(0, table="prio", count=1)))
+    expect(IA, "lease_ms", lambda: next(client.sample_batches(2, table="stream", count=1)))
+    unknown = replay_pb2.SampleStreamRequest(table="prio", batch_size=1).SerializeToString() + b"\xa0\x06\x01"
+    stream_raw = client._channel.unary_stream("/temper.v1.ReplayService/SampleStream", request_serializer=bytes,
+                                              response_deserializer=replay_pb2.SampleResponse.FromString)
+    expect(IA, "request", lambda: next(stream_raw(unknown, timeout=10)))
+    ids = [f"st-{i}" for i in range(40)]
+    assert client.insert([scored_group(i) for i in ids], table="stream").inserted == 40
+    batches = client.sample_batches(2, table="stream", timeout_ms=0, lease_ms=1500)
+    first = next(batches)
+    assert len(first.groups) == 2 and first.lease_id
+    client.ack_sample(first.lease_id)  # these two are used: final
+    wait_until(lambda: client.stats("stream").leases > 0, 10, what="draws ahead of the reader")
+    batches.close()  # stop reading: whatever was drawn ahead is held by leases, then given back
+    wait_until(lambda: client.stats("stream").leases == 0, 30, what="the leases running out")
+    assert client.stats("stream").size == 38
+    left = list(client.sample_batches(2, table="stream", timeout_ms=0, lease_ms=60_000, count=19))
+    got = [g.group_id for b in left for g in b.groups]
+    assert sorted(got + [g.group_id for g in first.groups]) == sorted(ids)
+    for b in left:
+        client.ack_sample(b.lease_id)
+    with pytest.raises(grpc.RpcError) as e:  # empty now: the next batch is not ready in time
+        list(client.sample_batches(2, table="stream", timeout_ms=200, lease_ms=60_000, count=3))
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, e.value.details()

@@ -248,6 +248,10 @@ class ReplayClient(_Client):
         self._insert_raw = self._channel.stream_unary("/temper.v1.ReplayService/Insert",
                                                       request_serializer=bytes,
                                                       response_deserializer=replay_pb2.InsertResponse.FromString)
+        # SampleStream's batches read as SampleResponse: the same fields and numbers
+        self._sample_stream = self._channel.unary_stream(
+            "/temper.v1.ReplayService/SampleStream", request_serializer=replay_pb2.SampleStreamRequest.SerializeToString,
+            response_deserializer=replay_pb2.SampleResponse.FromString)
 
     def insert(self, groups: Iterable[common_pb2.RolloutGroup], table: str = "default",
                priorities: Iterable[float | None] | None = None,
@@ -290,23 +294,21 @@ class ReplayClient(_Client):
                                                                extend_ms=extend_ms), timeout=self.timeout)
 
     def sample_batches(self, batch_size: int, table: str = "default", timeout_ms: int = 10_000,
-                       in_flight: int = 2, count: int | None = None) -> Iterator[replay_pb2.SampleResponse]:
-        """``sample_batch`` again and again (``count`` times; None: until closed), with up to
-        ``in_flight`` calls outstanding, so the server draws the next batches while this one is
-        used. Each batch is drawn before the ones in flight ahead of it are consumed: for readers
-        that need not see their own priority updates in the very next batch."""
-        req = replay_pb2.SampleRequest(table=table, batch_size=batch_size, timeout_ms=timeout_ms)
-        pending: deque[grpc.Future] = deque()
-        issued = 0
+                       count: int | None = None, lease_ms: int = 0, current_policy_version: int | None = None,
+                       importance_sampling_exponent: float | None = None) -> Iterator[replay_pb2.SampleResponse]:
+        """Batches as ``sample_batch`` gives them, ``count`` of them (None: until this iterator is closed),
+        over one SampleStream call: the server draws the next batches while this one is used (as many as the
+        connection buffers), and no batch pays a call's cost. For readers that need not see their own priority
+        updates in the very next batch. A table whose draws use groups up needs ``lease_ms`` > 0 (ack each
+        batch's ``lease_id``): batches drawn ahead when the iterator is closed then go back to the table."""
+        req = replay_pb2.SampleStreamRequest(
+            table=table, batch_size=batch_size, timeout_ms=timeout_ms, count=count or 0, lease_ms=lease_ms,
+            current_policy_version=current_policy_version, importance_sampling_exponent=importance_sampling_exponent)
+        call = self._sample_stream(req, timeout=None if count is None else count * (timeout_ms / 1000 + self.timeout))
         try:
-            while count is None or issued < count or pending:
-                while len(pending) < max(1, in_flight) and (count is None or issued < count):
-                    pending.append(self.stub.Sample.future(req, timeout=timeout_ms / 1000 + self.timeout))
-                    issued += 1
-                yield pending.popleft().result()
+            yield from call
         finally:
-            for f in pending:
-                f.cancel()
+            call.cancel()
 
     def sample(self, batch_size: int, table: str = "default", timeout_ms: int = 10_000,
                current_policy_version: int | None = None) -> list[common_pb2.RolloutGroup]:

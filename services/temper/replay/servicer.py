@@ -80,22 +80,42 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
             out.evicted += r.evicted
         return out
 
-    def Sample(self, request, context):
+    def _check_sample(self, request) -> None:
         reject_unknown_fields(request, "request")  # a setting this server does not know is refused, not ignored
         require(0 <= request.timeout_ms <= self.max_timeout_ms, "timeout_ms",
                 f"must be in [0, {self.max_timeout_ms}], got {request.timeout_ms}")
+
+    def _draw(self, request, context) -> SampleResult:
+        """One batch as ``request`` (a SampleRequest or SampleStreamRequest) asks it."""
         timeout = request.timeout_ms / 1000
         left = context.time_remaining() if context is not None else None
         if left is not None:
             timeout = min(timeout, left)
-        result = self.store.sample(
+        return self.store.sample(
             request.table, request.batch_size, timeout, self.max_batch,
             current_policy_version=(request.current_policy_version
                                     if request.HasField("current_policy_version") else None),
             importance_sampling_exponent=(request.importance_sampling_exponent
                                           if request.HasField("importance_sampling_exponent") else None),
             alive=context.is_active if context is not None else None, lease_s=request.lease_ms / 1000)
-        return encode_sample_response(result)
+
+    def Sample(self, request, context):
+        self._check_sample(request)
+        return encode_sample_response(self._draw(request, context))
+
+    def SampleStream(self, request, context):
+        self._check_sample(request)
+        require(request.count >= 0, "count", f"must be >= 0 (0: until the caller cancels), got {request.count}")
+        table = self.store.tables.get(request.table)
+        require(table is None or request.lease_ms > 0 or not table.config.max_times_sampled, "lease_ms",
+                f"must be > 0 on a stream from table {request.table!r}: its draws use groups up (max_times_sampled "
+                f"{table.config.max_times_sampled if table else 0}), and batches drawn for a caller that cancels "
+                "would be lost without a lease")
+        sent = 0
+        while request.count == 0 or sent < request.count:
+            # SampleStreamResponse has SampleResponse's fields: the same bytes
+            yield encode_sample_response(self._draw(request, context))
+            sent += 1
 
     def AckSample(self, request, context):
         reject_unknown_fields(request, "request")
