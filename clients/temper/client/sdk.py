@@ -8,7 +8,6 @@ protobuf and the generated code only (no torch): services pass a traced channel 
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Iterator
 
 import grpc
