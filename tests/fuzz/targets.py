@@ -110,6 +110,8 @@ SEEDS = {
     "ReplayService.Sample": lambda ctx: [replay_pb2.SampleRequest(table="default", batch_size=1, timeout_ms=0),
                                          replay_pb2.SampleRequest(table="default", batch_size=1, timeout_ms=0,
                                                                   lease_ms=1_000)],
+    "ReplayService.SampleStream": lambda ctx: [replay_pb2.SampleStreamRequest(table="default", batch_size=1, timeout_ms=0,
+                                                                              lease_ms=1_000, count=2)],
     "ReplayService.AckSample": lambda ctx: [replay_pb2.AckSampleRequest(lease_id="fz-lease"),
                                             replay_pb2.AckSampleRequest(
                                                 lease_id="fz-lease", action=replay_pb2.AckSampleRequest.ACTION_EXTEND,
