@@ -64,7 +64,8 @@ settings.register_profile("temper-fuzz-kafka", parent=settings.get_profile("temp
 S = grpc.StatusCode
 CLIENT_ERRORS = {S.INVALID_ARGUMENT, S.OUT_OF_RANGE, S.NOT_FOUND, S.FAILED_PRECONDITION, S.ALREADY_EXISTS,
                  S.RESOURCE_EXHAUSTED}
-WAITS = {"ReplayService.Sample": 3.0, "ReplayService.SampleStream": 3.0}  # methods whose request asks for a wait: a short deadline of their own
+# methods whose request asks for a wait: a short deadline of their own
+WAITS = {"ReplayService.Sample": 3.0, "ReplayService.SampleStream": 3.0}
 DEADLINE = 60.0                        # any other call: a hang if it has not answered by then
 MAX_SEND = 16 << 20                    # bigger draws are cut there (still a malformed request)
 MAX_KAFKA = 900 << 10                  # under the producer's 1 MiB message limit
