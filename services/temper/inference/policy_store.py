@@ -88,9 +88,8 @@ class Writer:
     one version's size on the folder's filesystem; ``close`` removes it. One learner writes a policy_dir: a new
     Writer removes spares left there by a writer that was killed."""
 
-    def __init__(self, policy_dir: str | Path, preallocate: bool = True):
+    def __init__(self, policy_dir: str | Path):
         self.policy_dir = Path(policy_dir)
-        self.preallocate = preallocate
         self._lock = threading.Lock()  # one write at a time
         self._spare: Path | None = None
         self._allocating: threading.Thread | None = None
@@ -100,10 +99,9 @@ class Writer:
     def write(self, tensors: dict[str, torch.Tensor], version: int, lineage: str, stored_id: str = "") -> Path:
         with self._lock:
             path = write(self.policy_dir, tensors, version, lineage, stored_id, spare=self._take_spare())
-            if self.preallocate:
-                self._allocating = threading.Thread(target=self._allocate, args=(path.stat().st_size,),
-                                                    name="policy-spare", daemon=True)
-                self._allocating.start()
+            self._allocating = threading.Thread(target=self._allocate, args=(path.stat().st_size,),
+                                                name="policy-spare", daemon=True)
+            self._allocating.start()
             return path
 
     def close(self) -> None:
