@@ -14,7 +14,10 @@ this rule, first match wins, and reports each with its reason:
   not finite or whose count disagrees with ``reward.step_end_chars``, or step ends that are not
   non-decreasing within the completion's text); the detail names the field, as a refused batch did before;
 - ``too_long``: a sequence (prompt + completion) is longer than ``max_sequence_tokens`` (the
-  model's context by default), so it could not be trained on as sampled.
+  model's context by default), so it could not be trained on as sampled;
+- ``unknown_adapter``: the group names a LoRA adapter (``RolloutGroup.adapter``) the learner does
+  not train (per-domain-group adapters: ``TrainerConfig.lora_adapters``), or names none where the
+  learner trains several (every group then trains exactly one of them).
 The caller trains on the groups left (and samples again if none are), counts the drops by reason
 and logs each with its group id.
 
@@ -32,6 +35,7 @@ each prompt computed once; one in which no prompt repeats keeps the layout above
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 
 import torch
@@ -63,6 +67,8 @@ class Batch:
     # advantage estimator does not read them)
     step_rewards: list[list[float]] | None = None
     step_ends: list[list[int]] | None = None
+    # [B] per-domain-group LoRA adapter each sequence trains (its group's ``adapter``); None: one policy
+    adapters: list[str] | None = None
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -75,7 +81,8 @@ class Batch:
         require(n > 0, "completions", "empty batch")
         for name, size in [("prompts", len(self.prompts)), ("temperatures", len(self.temperatures)),
                            ("rewards", len(self.rewards)), ("group_index", len(self.group_index)),
-                           ("policy_versions", len(self.policy_versions)), ("domains", len(self.domains))]:
+                           ("policy_versions", len(self.policy_versions)), ("domains", len(self.domains)),
+                           *([("adapters", len(self.adapters))] if self.adapters is not None else [])]:
             require(size == n, name, f"{size} entries for {n} sequences")
         total = 0
         for i, (p, c) in enumerate(zip(self.prompts, self.completions)):
@@ -132,7 +139,8 @@ class Batch:
                      [self.group_ids[g] for g in kept_groups] if self.group_ids is not None else None,
                      self.sample_weights[kept_groups] if self.sample_weights is not None else None,
                      [self.step_rewards[i] for i in keep] if self.step_rewards is not None else None,
-                     [self.step_ends[i] for i in keep] if self.step_ends is not None else None)
+                     [self.step_ends[i] for i in keep] if self.step_ends is not None else None,
+                     [self.adapters[i] for i in keep] if self.adapters is not None else None)
 
     def step_inputs(self) -> dict[str, torch.Tensor | None]:
         """``AdvantageInputs``' step fields (step_rewards, step_seq, step_ends) of this batch."""
@@ -144,7 +152,7 @@ class Batch:
                 "step_ends": torch.tensor([e for ends in self.step_ends for e in ends], dtype=torch.long)}
 
 
-DROP_REASONS = ("reward_error", "invalid", "too_long")
+DROP_REASONS = ("reward_error", "invalid", "too_long", "unknown_adapter")
 
 
 @dataclass
@@ -189,7 +197,7 @@ def _check_group(g_i: int, group: common_pb2.RolloutGroup, steps: bool = False) 
 
 
 def _drop_reason(g_i: int, group: common_pb2.RolloutGroup, max_sequence_tokens: int,
-                 steps: bool = False) -> DroppedGroup | None:
+                 steps: bool = False, adapters: Collection[str] = ()) -> DroppedGroup | None:
     """The first rule of the module docstring that ``group`` breaks, or None."""
     def dropped(reason: str, field: str, detail: str) -> DroppedGroup:
         return DroppedGroup(g_i, group.group_id, reason, field, detail)
@@ -214,16 +222,23 @@ def _drop_reason(g_i: int, group: common_pb2.RolloutGroup, max_sequence_tokens: 
                 return dropped("too_long", f"groups[{g_i}].trajectories[{t_i}].completion_token_ids",
                                f"{len(t.prompt_token_ids)} + {len(t.completion_token_ids)} tokens exceed "
                                f"max_sequence_tokens={max_sequence_tokens}")
+    if adapters and group.adapter not in adapters:
+        return dropped("unknown_adapter", f"groups[{g_i}].adapter",
+                       f"adapter {group.adapter!r} is not one the learner trains ({sorted(adapters)})")
+    if not adapters and group.adapter:
+        return dropped("unknown_adapter", f"groups[{g_i}].adapter",
+                       f"adapter {group.adapter!r}: the learner trains one policy (no lora_adapters)")
     return None
 
 
-def screen_groups(groups: list[common_pb2.RolloutGroup], max_sequence_tokens: int = 0, steps: bool = False
-                  ) -> tuple[list[common_pb2.RolloutGroup], list[DroppedGroup]]:
+def screen_groups(groups: list[common_pb2.RolloutGroup], max_sequence_tokens: int = 0, steps: bool = False,
+                  adapters: Collection[str] = ()) -> tuple[list[common_pb2.RolloutGroup], list[DroppedGroup]]:
     """(the groups to train on, in order; the ones dropped by the module docstring's rule); ``steps``:
-    the advantage estimator reads step rewards, so their layout is checked too."""
+    the advantage estimator reads step rewards, so their layout is checked too; ``adapters``: the
+    per-domain-group adapters the learner trains (empty: one policy)."""
     kept, dropped = [], []
     for g_i, group in enumerate(groups):
-        reason = _drop_reason(g_i, group, max_sequence_tokens, steps)
+        reason = _drop_reason(g_i, group, max_sequence_tokens, steps, adapters)
         if reason is None:
             kept.append(group)
         else:
@@ -243,6 +258,7 @@ def batch_from_groups(groups: list[common_pb2.RolloutGroup], sample_weights: lis
     if any(w != 1.0 for w in task_weights):
         sample_weights = [b * w for b, w in zip(sample_weights or [1.0] * len(groups), task_weights)]
     prompts, completions, old, temps, rewards, gidx, versions, domains = [], [], [], [], [], [], [], []
+    adapters: list[str] = []
     step_rewards: list[list[float]] | None = None if step_tokens is None else []
     step_ends: list[list[int]] | None = None if step_tokens is None else []
     for g_i, group in enumerate(groups):
@@ -260,10 +276,11 @@ def batch_from_groups(groups: list[common_pb2.RolloutGroup], sample_weights: lis
             gidx.append(g_i)
             versions.append(t.policy_version)
             domains.append(group.task.domain)
+            adapters.append(group.adapter)
     return Batch(prompts, completions, torch.tensor(old), torch.tensor(temps), torch.tensor(rewards, dtype=torch.float32),
                  torch.tensor(gidx), torch.tensor(versions), domains, groups[0].job_id, [g.group_id for g in groups],
                  torch.tensor(sample_weights, dtype=torch.float32) if sample_weights is not None else None,
-                 step_rewards, step_ends)
+                 step_rewards, step_ends, adapters if any(adapters) else None)
 
 
 @dataclass
@@ -282,6 +299,7 @@ class ModelInputs:
     tokens: slice  # their completion tokens within the batch's [T]
     real_tokens: int  # prompt + completion tokens
     grid_tokens: int  # R * L, what the model computes over
+    adapter: str = ""  # the LoRA adapter its sequences train (per-domain-group adapters); "": one policy
 
     def to(self, device: torch.device) -> ModelInputs:
         """The model's tensors on ``device`` (this object itself when they are there already)."""
@@ -447,7 +465,10 @@ def micro_batches(batch: Batch, pad_id: int, packing: bool, pack_length: int, mi
     """Split ``batch`` into consecutive micro-batches of at most ``micro_batch_tokens`` real tokens
     (0 = one micro-batch; a sequence longer than the budget gets a micro-batch of its own).
     ``share_prompts``: sequences with the same prompt share one copy of it (``shared_prompt_layout``);
-    the budget then counts a prompt once per micro-batch."""
+    the budget then counts a prompt once per micro-batch. A micro-batch never holds sequences of two
+    LoRA adapters (``batch.adapters``): one forward runs one adapter."""
+    adapters = batch.adapters
+
     def cost(i: int, start: int) -> int:
         p, c = batch.prompts[i], batch.completions[i]
         if not share_prompts:
@@ -457,7 +478,8 @@ def micro_batches(batch: Batch, pad_id: int, packing: bool, pack_length: int, mi
     bounds, start, used = [], 0, 0
     for i in range(len(batch.prompts)):
         n = cost(i, start)
-        if micro_batch_tokens > 0 and used + n > micro_batch_tokens and i > start:
+        new_adapter = adapters is not None and i > start and adapters[i] != adapters[i - 1]
+        if i > start and (new_adapter or (micro_batch_tokens > 0 and used + n > micro_batch_tokens)):
             bounds.append((start, i))
             start, used = i, 0
             n = cost(i, start)
@@ -470,6 +492,7 @@ def micro_batches(batch: Batch, pad_id: int, packing: bool, pack_length: int, mi
         # its custom mask would cost an L x L tensor per row: the plain layout then
         shared = share_prompts and len(_prompt_runs(batch.prompts[a:b])) < b - a
         lay = shared_prompt_layout if shared else layout
-        out.append(lay(batch.prompts[a:b], batch.completions[a:b], batch.temperatures[a:b], pad_id, packing,
-                       pack_length, slice(a, b), slice(offsets[a], offsets[b])))
+        mb = lay(batch.prompts[a:b], batch.completions[a:b], batch.temperatures[a:b], pad_id, packing,
+                 pack_length, slice(a, b), slice(offsets[a], offsets[b]))
+        out.append(replace(mb, adapter=adapters[a]) if adapters is not None else mb)
     return out

@@ -1,5 +1,7 @@
 """The learner's policy as a Hugging Face model folder: the start folder's config, tokenizer and chat
-template, with the current weights (LoRA merged, HF names) as safetensors in the stored dtype."""
+template, with the current weights (LoRA merged, HF names) as safetensors in the stored dtype. Per-domain-group
+adapters (temper.models.adapters) are not merged: the folder holds the frozen base and each adapter as a PEFT
+folder under ``adapters/<name>/`` (transformers + PEFT and vLLM load them over the base)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from temper.models import adapters
 from temper.runtime.errors import InvalidArgument, require
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -40,8 +43,11 @@ def export_policy(weights: dict[str, torch.Tensor], model_dir: str | Path, path:
             if f.is_file() and not f.name.endswith(SKIP) and f.name not in SKIP_NAMES:
                 shutil.copy2(f, tmp / f.name)
         (tmp / "config.json").write_text(json.dumps({**config, "dtype": name}, indent=2))
-        tensors = {n: t.detach().to(DTYPES[name]).contiguous() for n, t in weights.items()}
+        base, groups = adapters.split(weights)
+        tensors = {n: t.detach().to(DTYPES[name]).contiguous() for n, t in base.items()}
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for adapter, own in groups.items():
+            adapters.write(tmp / "adapters" / adapter, own, str(target), DTYPES[name])
         (tmp / "temper-policy.json").write_text(json.dumps({"started_from": str(model_dir), **(meta or {})}, indent=1))
         if target.exists():
             target.rmdir()
@@ -49,4 +55,4 @@ def export_policy(weights: dict[str, torch.Tensor], model_dir: str | Path, path:
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise InvalidArgument(f"cannot write {target}: {e}", field="path") from None
-    return sum(f.stat().st_size for f in target.iterdir())
+    return sum(f.stat().st_size for f in target.rglob("*") if f.is_file())

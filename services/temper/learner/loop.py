@@ -336,7 +336,8 @@ class LearnerLoop:
         with self._tracer.start_as_current_span("learner.step", links=links_to(g.trace_context for g in groups),
                                                  attributes={"temper.groups": len(groups)}) as span:
             step_tokens = self.trainer.step_tokens  # set when the advantage estimator reads step rewards
-            kept, dropped = screen_groups(groups, self.trainer.max_sequence_tokens, steps=step_tokens is not None)
+            kept, dropped = screen_groups(groups, self.trainer.max_sequence_tokens, steps=step_tokens is not None,
+                                          adapters=self.trainer.adapters)
             self._count_drops(dropped)
             stale = 0
             try:
@@ -675,7 +676,8 @@ class LearnerLoop:
         with self._lock:
             step, version = self.trainer.step_count, self.trainer.policy_version
             served = next(name for name, d in DTYPES.items() if d == self.trainer.push_dtype)
-            size = export_policy(self.trainer.weights(), self.model_dir, path, dtype or served,
+            size = export_policy({**self.trainer.base_weights(), **self.trainer.adapter_weights()}, self.model_dir, path,
+                                 dtype or served,
                                  meta={"step": step, "policy_version": version})
         return Path(path), step, version, size
 

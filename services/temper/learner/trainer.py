@@ -57,8 +57,10 @@ from temper.learner.batching import Batch, ModelInputs, batch_from_groups, micro
 from temper.learner.ranks import tell
 from temper.learner.schedules import KLController, LRController
 from temper.learner.steps import StepTokens
+from temper.models.adapters import NAME as ADAPTER_NAME
+from temper.models.adapters import PREFIX as ADAPTER_PREFIX
 from temper.models.dtypes import cpu_has_native_bf16
-from temper.runtime.errors import FailedPrecondition, InvalidArgument
+from temper.runtime.errors import FailedPrecondition, InvalidArgument, require
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +145,10 @@ class TrainerConfig(BaseModel):
                                            description="modules that get LoRA adapters")
     lora_modules_to_save: list[str] = Field([], description="trained in full next to the adapters (e.g. "
                                                             "embed_tokens); ties kept")
+    lora_adapters: list[str] = Field([], description="per-domain-group adapters: one LoRA adapter of lora_rank per "
+                                     "name over the one frozen base; a group trains the adapter it names "
+                                     "(RolloutGroup.adapter) and the adapters are pushed as such, not merged "
+                                     "([]: one adapter, merged into the pushed weights)")
     seed: int = Field(0, description="RNG seed of the trainer")
 
     @field_validator("advantage")
@@ -190,6 +196,17 @@ class TrainerConfig(BaseModel):
                              "use kl_in = 'loss'")
         if self.kl_target > 0 and self.kl_coef <= 0:
             raise ValueError("kl_coef: an adaptive KL (kl_target > 0) needs an initial kl_coef > 0")
+        if self.lora_adapters:
+            if self.lora_rank <= 0:
+                raise ValueError("lora_rank: per-domain-group adapters (lora_adapters) need lora_rank > 0")
+            for i, name in enumerate(self.lora_adapters):
+                if not ADAPTER_NAME.fullmatch(name):
+                    raise ValueError(f"lora_adapters[{i}]: {name!r} must match {ADAPTER_NAME.pattern}")
+            if len(set(self.lora_adapters)) != len(self.lora_adapters):
+                raise ValueError(f"lora_adapters: names must be unique, got {self.lora_adapters}")
+            if self.lora_modules_to_save:
+                raise ValueError("lora_modules_to_save: modules trained in full would be shared by every adapter "
+                                 "of lora_adapters (no isolation); leave it empty")
         return self
 
 
@@ -269,15 +286,21 @@ class Critic(torch.nn.Module):
 
 
 def _with_lora(model, config: TrainerConfig):
+    """``model`` with one LoRA adapter, or one per name of ``lora_adapters`` (each initialised from its own seed,
+    B = 0: every adapter starts as the base model)."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as e:  # pragma: no cover - peft is a dependency of the project
         raise InvalidArgument("lora_rank > 0 needs PEFT: .venv/bin/pip install peft==0.21.2", field="lora_rank") from e
-    return get_peft_model(model, LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha,
-                                            lora_dropout=config.lora_dropout,
-                                            target_modules=list(config.lora_target_modules),
-                                            modules_to_save=list(config.lora_modules_to_save) or None,
-                                            ensure_weight_tying=bool(config.lora_modules_to_save)))
+    lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                      target_modules=list(config.lora_target_modules),
+                      modules_to_save=list(config.lora_modules_to_save) or None,
+                      ensure_weight_tying=bool(config.lora_modules_to_save))
+    names = list(config.lora_adapters) or ["default"]
+    model = get_peft_model(model, lora, adapter_name=names[0])
+    for name in names[1:]:
+        model.add_adapter(name, lora)
+    return model
 
 
 class _PolicyForward(torch.nn.Module):
@@ -340,6 +363,8 @@ class Trainer:
         if config.share_prompts and not self.share_prompts:
             log.warning("share_prompts off: attention implementation %r takes no 4-D mask", attn)
         self.lora = config.lora_rank > 0
+        self.adapters = list(config.lora_adapters)  # per-domain-group adapters; []: one policy
+        self._active = ""
         if self.lora:
             self.model = _with_lora(self.model, config)
         self.model.train()
@@ -356,11 +381,19 @@ class Trainer:
             if self.sharded and self.lora:
                 raise InvalidArgument("LoRA adapters are not sharded over ranks: shard_parameters = false with "
                                       "lora_rank > 0", field="shard_parameters")
+            if self.adapters:
+                raise InvalidArgument("per-domain-group adapters train on one rank: lora_adapters with ranks = 1",
+                                      field="lora_adapters")
             for t in self.model.state_dict().values():  # the same starting weights everywhere
                 dist.broadcast(t, 0)
             if self.sharded:
                 self._forward = _shard(self.model, config.logprob_chunk_tokens)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.adapters:  # PEFT leaves only the active adapter trainable; every adapter is
+            self.params = [p for n, p in self.model.named_parameters() if ".lora_" in n]
+            for p in self.params:
+                p.requires_grad_(True)
+        else:
+            self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
         self.lr = LRController(config.lr, config.lr_schedule, config.warmup_steps, config.total_steps,
                                config.min_lr_ratio, config.lr_kl_target, config.lr_kl_factor)
@@ -406,6 +439,8 @@ class Trainer:
     def _logprobs(self, model, mb: ModelInputs, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(log p of each completion token [t], entropy of each predicting distribution [t]), fp32, on the device."""
         mb = mb.to(self.device)
+        if model is self.model and self.adapters:
+            self._use_adapter(mb.adapter)
         if model is self.model and self._forward is not None:  # through the FSDP root: its hooks gather the rest
             with self._autocast():
                 return self._forward(mb, entropy_grad)
@@ -415,6 +450,14 @@ class Trainer:
             return logprobs.token_logprobs(model.get_output_embeddings(), hidden[mb.rows, mb.cols], mb.targets,
                                            mb.temperatures, self.config.logprob_chunk_tokens, self.softcap,
                                            entropy_grad)
+
+    def _use_adapter(self, name: str) -> None:
+        """Make ``name`` the adapter the next forward runs (and trains: PEFT marks only the active adapter
+        trainable; the gradients other adapters collected this step stay)."""
+        require(name in self.adapters, "adapter", f"{name!r} is not one of the learner's adapters {self.adapters}")
+        if name != self._active:
+            self.model.set_adapter(name)
+            self._active = name
 
     def _values(self, mb: ModelInputs) -> torch.Tensor:
         with self._autocast():
@@ -434,7 +477,28 @@ class Trainer:
 
     def token_logprobs(self, batch: Batch) -> torch.Tensor:
         """Teacher-forced log p of every completion token under the current weights, [T] in batch order."""
+        self._check_adapters(batch)
         return torch.cat([self._logprobs(self.model, mb)[0] for mb in self._micro_batches(batch)]).cpu()
+
+    def _check_adapters(self, batch: Batch) -> None:
+        """InvalidArgument naming ``adapters[i]`` unless every sequence names one of the learner's adapters
+        (per-domain-group adapters), or none does (one policy)."""
+        names = batch.adapters if batch.adapters is not None else [""] * len(batch.completions)
+        for i, name in enumerate(names):
+            if self.adapters:
+                require(name in self.adapters, f"adapters[{i}]",
+                        f"{name!r} is not one of the learner's adapters {self.adapters}")
+            else:
+                require(not name, f"adapters[{i}]", f"{name!r}: this learner trains one policy (no lora_adapters)")
+
+    def _by_adapter(self, batch: Batch) -> Batch:
+        """``batch`` with each adapter's sequences together (groups in their order within an adapter), so
+        micro-batches never mix adapters."""
+        if batch.adapters is None:
+            return batch
+        rank = {name: i for i, name in enumerate(self.adapters)}
+        order = sorted(range(len(batch.adapters)), key=lambda i: (rank[batch.adapters[i]], i))
+        return batch if order == list(range(len(order))) else batch.subset(order)
 
     # -- the update --------------------------------------------------------------------------
     def drop_stale(self, batch: Batch) -> tuple[Batch, int]:
@@ -475,8 +539,10 @@ class Trainer:
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         batch.validate(self.vocab_size, self.context_length)
+        self._check_adapters(batch)
         staleness = (self.policy_version - batch.policy_versions).float()
         batch, stale_groups = self.drop_stale(batch)
+        batch = self._by_adapter(batch)
         lengths = batch.lengths
         n_seqs, n_tokens = len(lengths), int(lengths.sum())
         mbs = self._micro_batches(batch)
@@ -694,7 +760,11 @@ class Trainer:
         self._full_weights = full if self.rank == 0 else None
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The policy's tensors under the base model's names (LoRA adapters merged in)."""
+        """The policy's tensors under the base model's names (LoRA adapters merged in). Per-domain-group adapters:
+        only the adapters (the base is frozen), each tensor as ``adapters/<name>/<PEFT key>`` with the LoRA
+        scaling (alpha / r) folded into lora_B, so a loader applies them with scaling 1."""
+        if self.adapters:
+            return self.adapter_weights()
         if self.sharded:
             if self._full_weights is None:
                 raise FailedPrecondition("the weights of a sharded learner are gathered on rank 0 only", field="rank")
@@ -717,3 +787,24 @@ class Trainer:
                         tensor = tensor + owner.get_delta_weight(adapter)
             merged[base] = tensor
         return merged
+
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """The per-domain-group adapters as pushed (``weights``); {} without them."""
+        if not self.adapters:
+            return {}
+        from peft import get_peft_model_state_dict
+
+        scale = self.config.lora_alpha / self.config.lora_rank
+        out = {}
+        for name in self.adapters:
+            for key, t in get_peft_model_state_dict(self.model, adapter_name=name).items():
+                out[f"{ADAPTER_PREFIX}{name}/{key}"] = t.detach() * scale if ".lora_B." in key else t.detach()
+        return out
+
+    def base_weights(self) -> dict[str, torch.Tensor]:
+        """The frozen base model's tensors under their HF names (per-domain-group adapters: what the adapters
+        apply to); with one policy, ``weights``."""
+        if not self.adapters:
+            return self.weights()
+        return {name.removeprefix("base_model.model.").replace(".base_layer.", "."): p.detach()
+                for name, p in self.model.named_parameters() if ".lora_" not in name}
