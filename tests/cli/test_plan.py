@@ -255,3 +255,19 @@ def test_dry_run_shows_what_each_domain_is_paid_and_the_detectors_policies(tempe
     assert "reward_vs_gold pause," in monitor and "training_signal warn" in monitor
     assert "length warn on toy.copy/stop on rg.gcd" in monitor  # a per-domain policy, named per domain
     assert monitor.endswith("; off: degeneration")
+
+
+def test_dry_run_shows_the_adapters_and_refuses_adapters_without_lora(temper, tmp_path):
+    job = tmp_path / "job.toml"
+    body = ('[job]\nsteps = 2\ndomains = ["toy.copy", "toy.next"]\n'
+            '[job.adapters]\ncopying = ["toy.copy"]\ncounting = ["toy.next"]\n[model]\npreset = "tiny"\n')
+    job.write_text(body + "[learner]\nlora_rank = 8\n")
+    code, out, err = temper("run", "--dry-run", "--config", str(job))
+    assert code == 0, err
+    assert "adapters  copying: toy.copy\n          counting: toy.next" in out
+    job.write_text(body)
+    code, _, err = temper("run", "--dry-run", "--config", str(job))
+    assert code == 1 and "learner.lora_rank" in err, err
+    job.write_text(body.replace('counting = ["toy.next"]', 'counting = ["toy.copy"]') + "[learner]\nlora_rank = 8\n")
+    code, _, err = temper("run", "--dry-run", "--config", str(job))
+    assert code == 1 and "adapters.counting" in err and "one adapter per domain" in err, err

@@ -87,10 +87,17 @@ class InferenceClient(_Client):
     def generate(self, prompts: Iterable[str | list[int]], n: int = 1, temperature: float = 1.0,
                  max_tokens: int = 16, top_p: float = 1.0, top_k: int = 0, stop: Iterable[str] = (),
                  seed: int | None = None, apply_chat_template: bool = False,
-                 assistant_prefix: str = "") -> inference_pb2.GenerateResponse:
-        msgs = [inference_pb2.Prompt(text=p, apply_chat_template=apply_chat_template, assistant_prefix=assistant_prefix)
+                 assistant_prefix: str = "", adapters: str | Iterable[str] = "") -> inference_pb2.GenerateResponse:
+        """``adapters``: the LoRA adapter to generate with, one for every prompt or one per prompt ("": the base)."""
+        prompts = list(prompts)
+        names = [adapters] * len(prompts) if isinstance(adapters, str) else list(adapters)
+        if len(names) != len(prompts):
+            raise ValueError(f"adapters: {len(names)} names for {len(prompts)} prompts")
+        msgs = [inference_pb2.Prompt(text=p, apply_chat_template=apply_chat_template, assistant_prefix=assistant_prefix,
+                                     adapter=a)
                 if isinstance(p, str)
-                else inference_pb2.Prompt(token_ids=inference_pb2.TokenIds(ids=p)) for p in prompts]
+                else inference_pb2.Prompt(token_ids=inference_pb2.TokenIds(ids=p), adapter=a)
+                for p, a in zip(prompts, names)]
         sampling = inference_pb2.SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, top_p=top_p,
                                                 top_k=top_k, stop=list(stop), seed=seed)
         return self.stub.Generate(inference_pb2.GenerateRequest(prompts=msgs, sampling=sampling),

@@ -249,6 +249,10 @@ def render_plan(plan: Plan) -> str:
               "domains   " + "\n          ".join(
                   f"{d}" + ("" if d in spec.domains else " (eval only)") + ": " + _domain_line(d, spec.domain_config.get(d))
                   for d in [*spec.domains, *(d for d in spec.eval_domains if d not in spec.domains)])]
+    if spec.adapters:
+        lines.append("adapters  " + "\n          ".join(f"{name}: {', '.join(domains)}"
+                                                    for name, domains in spec.adapters.items())
+                     + "\n          (one LoRA adapter each over a frozen base; other domains: the base)")
     lines.append("reward    " + "\n          ".join(_reward_lines(plan)))
     lines.append(f"monitor   {_monitor_line(plan)}")
     ev = spec.eval

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
-from temper.runtime.config import ServiceConfig, model_dir, shared_dir
+from temper.runtime.config import ServiceConfig, from_job, model_dir, shared_dir
 
 
 class InferenceConfig(ServiceConfig):
@@ -33,6 +33,11 @@ class InferenceConfig(ServiceConfig):
     max_chunk_bytes: int = Field(4 << 20, description="largest UpdateWeightsRequest.data (one chunk) accepted")
     max_sequences_per_request: int = Field(4096, ge=1, description="most completions one Generate may ask for "
                                            "(prompts x sampling.n); more: INVALID_ARGUMENT, before any work")
+    lora_adapters: list[str] = from_job("adapters", [], "per-domain-group LoRA adapters served (the launcher: the job's "
+                                        "[job.adapters] names): a prompt naming one is generated with it, the "
+                                        "learner pushes them as adapters (temper.models.adapters); []: none")
+    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = Field(
+        16, description="largest rank of a pushed adapter (vLLM's own choices of slot size)")
     # hf engine
     device: str = Field("auto", description='hf engine: "cpu", "cuda", "cuda:1", or "auto" (cuda when available)')
     max_batch_rows: int = Field(256, description="hf engine: sequences per generate call")

@@ -33,6 +33,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
+from contextlib import contextmanager
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,7 @@ from typing import Any
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from temper.models import adapters
 from temper.runtime.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, TemperError, require
 
 
@@ -96,6 +98,10 @@ class GenerateJob:
     version: int = -1  # set when the engine thread admits it
     results: list[PromptResult | None] = field(default_factory=list)
     cancelled: Callable[[], bool] = lambda: False  # true once nobody waits for the result (the call's deadline)
+    adapters: list[str] = field(default_factory=list)  # per prompt: the LoRA adapter to generate with ([]/"": none)
+
+    def adapter(self, i: int) -> str:
+        return self.adapters[i] if self.adapters else ""
 
 
 @dataclass
@@ -112,6 +118,11 @@ class Engine(ABC):
     Hooks run on the engine thread only: ``_admit`` hands new jobs to the backend, ``_step``
     advances them and returns the jobs that finished, ``_abort`` drops in-flight jobs after a
     backend error, ``_load_weights`` installs tensors (``None``: the weights in ``model_dir``).
+
+    Per-domain-group LoRA adapters (``lora_adapters``; temper.models.adapters): a prompt may name one of the
+    adapters the engine was started with and is generated with it (unnamed, or one not yet pushed: the base).
+    An update carries either base weights or adapters (``adapters/<name>/<PEFT key>``, any of the served
+    ones); ``_load_adapters`` installs them (None for a name: back to the base).
     """
 
     name: str
@@ -134,6 +145,9 @@ class Engine(ABC):
         # What a failed installation rolls back to: the last applied tensors (a host copy of the
         # weights is kept for this), or None for the weights in model_dir.
         self._installed: dict[str, torch.Tensor] | None = None
+        self.adapter_names: tuple[str, ...] = ()  # per-domain-group LoRA adapters served (set by the backend)
+        self.max_lora_rank = 0
+        self._installed_adapters: dict[str, dict[str, torch.Tensor]] = {}
         self._thread = threading.Thread(target=self._serve, name=f"{self.name}-engine", daemon=True)
 
     def _start_thread(self) -> None:
@@ -145,8 +159,13 @@ class Engine(ABC):
                assistant_prefix: str = "") -> list[int]:
         return encode_prompt(self.tokenizer, text, apply_chat_template, field_name, assistant_prefix)
 
-    def validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
+    def validate(self, prompts: list[list[int]], params: SamplingParams, adapters: list[str] | None = None) -> None:
         require(len(prompts) > 0, "prompts", "at least one prompt is required")
+        if adapters:
+            require(len(adapters) == len(prompts), "adapters", f"{len(adapters)} adapters for {len(prompts)} prompts")
+            for i, name in enumerate(adapters):
+                require(not name or name in self.adapter_names, f"prompts[{i}].adapter",
+                        f"{name!r} is not an adapter this server serves ({list(self.adapter_names)})")
         require(params.n >= 1, "sampling.n", f"must be >= 1, got {params.n}")
         require(params.max_tokens >= 1, "sampling.max_tokens", f"must be >= 1, got {params.max_tokens}")
         require(params.max_tokens < self.context_length, "sampling.max_tokens",
@@ -166,13 +185,16 @@ class Engine(ABC):
 
     # -- callers (any thread) --------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 cancelled: Callable[[], bool] | None = None) -> tuple[list[PromptResult], int]:
+                 cancelled: Callable[[], bool] | None = None,
+                 adapters: list[str] | None = None) -> tuple[list[PromptResult], int]:
         """Sample ``params.n`` completions per prompt; returns them and the version that made them.
 
         ``cancelled``: polled by the engine thread (before admission and between steps); once it is true the
-        work is dropped and this raises ``DeadlineExceeded`` (the servicer passes "the call is no longer active")."""
-        self.validate(prompts, params)
-        job = GenerateJob(next(self._ids), [list(p) for p in prompts], params)
+        work is dropped and this raises ``DeadlineExceeded`` (the servicer passes "the call is no longer active").
+        ``adapters``: per prompt, the LoRA adapter to generate with ("": the base; None: all the base)."""
+        self.validate(prompts, params, adapters)
+        job = GenerateJob(next(self._ids), [list(p) for p in prompts], params,
+                          adapters=list(adapters) if adapters and any(adapters) else [])
         if cancelled is not None:
             job.cancelled = cancelled
         self._submit(job)
@@ -184,6 +206,19 @@ class Engine(ABC):
 
     def validate_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         specs = self.weight_specs()
+        base, groups = adapters.split(tensors)
+        if groups:  # an update of adapters: every one served, each fitting the model (temper.models.adapters)
+            first = next(n for n in tensors if n.startswith(adapters.PREFIX))
+            require(bool(self.adapter_names), f"tensor {first}",
+                    "this server serves no LoRA adapters ([inference] lora_adapters)")
+            require(not base, f"tensor {next(iter(base), '')}", "an update carries adapters or base weights, not both")
+            shapes = {n: shape for n, (shape, _) in specs.items()}
+            for name, own in groups.items():
+                field_name = f"tensor {adapters.PREFIX}{name}"
+                require(name in self.adapter_names, field_name,
+                        f"{name!r} is not an adapter this server serves ({list(self.adapter_names)})")
+                adapters.check(name, own, shapes, self.max_lora_rank, field=field_name)
+            return
         missing = sorted(set(specs) - set(tensors))
         extra = sorted(set(tensors) - set(specs))
         if missing:
@@ -313,13 +348,23 @@ class Engine(ABC):
             require(job.new_version == 0 or job.new_version > self.policy_version, "new_version",
                     f"{job.new_version} is not newer than the serving version {self.policy_version}")
             t0 = time.perf_counter()
+            _, groups = adapters.split(job.tensors)
             try:
-                self._load_weights(job.tensors)
+                if groups:
+                    self._load_adapters(groups)
+                else:
+                    self._load_weights(job.tensors)
             except Exception as e:
-                self._load_weights(self._installed)  # roll back: the old version keeps serving
+                if groups:  # roll back: the old version keeps serving
+                    self._load_adapters({name: self._installed_adapters.get(name) for name in groups})
+                else:
+                    self._load_weights(self._installed)
                 raise FailedPrecondition(f"installing the update failed ({type(e).__name__}: {e}); rolled back to "
                                          f"version {self.policy_version}", field="chunks") from e
-            self._installed = job.tensors
+            if groups:
+                self._installed_adapters.update(groups)
+            else:
+                self._installed = job.tensors
             self.policy_version = job.new_version or self.policy_version + 1
             self.lineage = job.lineage or self.lineage
             self.last_apply_seconds = time.perf_counter() - t0
@@ -339,6 +384,10 @@ class Engine(ABC):
     @abstractmethod
     def _load_weights(self, tensors: dict[str, torch.Tensor] | None) -> None: ...
 
+    def _load_adapters(self, groups: dict[str, dict[str, torch.Tensor] | None]) -> None:
+        """Install each adapter's PEFT tensors (scaling folded in); None: serve the base for that name."""
+        raise FailedPrecondition(f"the {self.name} engine serves no LoRA adapters", field="lora_adapters")
+
     def _shutdown(self) -> None:  # noqa: B027 - optional hook: release the backend
         pass
 
@@ -355,16 +404,21 @@ class HFEngine(Engine):
     Waiting jobs are grouped by sampling settings (temperature, top-p, top-k, stop strings);
     each group runs as one left-padded ``generate`` of up to ``max_batch_rows`` sequences. A job
     with a seed runs alone, after ``torch.manual_seed(seed)``, so its samples do not depend on
-    what else was waiting.
+    what else was waiting. LoRA adapters: the rows of each adapter run as their own ``generate``
+    with the adapter's B @ A added to its weights (restored after).
     """
 
     name = "hf"
 
     def __init__(self, model_dir: str | Path, dtype: torch.dtype | str = torch.float32, device: str = "cpu",
-                 max_batch_rows: int = 256, seed: int | None = None):
+                 max_batch_rows: int = 256, seed: int | None = None, lora_adapters: list[str] | None = None,
+                 max_lora_rank: int = 16):
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         super().__init__(model_dir)
+        self.adapter_names, self.max_lora_rank = tuple(lora_adapters or ()), max_lora_rank
+        # per adapter: weight name -> (A, B), added to the weight while that adapter's rows generate
+        self._deltas: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.device = _resolve_device(device)
         self.max_batch_rows = max_batch_rows
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
@@ -406,20 +460,53 @@ class HFEngine(Engine):
             key = (p.temperature, p.top_p, p.top_k, tuple(p.stop), job.id if p.seed is not None else None)
             groups.setdefault(key, []).append(job)
         for jobs in groups.values():
-            batch: list[GenerateJob] = []
-            for job in jobs:  # calls of at most max_batch_rows sequences (a bigger job runs alone)
-                if batch and sum(len(j.prompts) * j.params.n for j in batch) + len(job.prompts) * job.params.n \
-                        > self.max_batch_rows:
-                    self._generate(batch)
-                    batch = []
-                batch.append(job)
-            self._generate(batch)
+            for adapter in sorted({job.adapter(i) for job in jobs for i in range(len(job.prompts))}):
+                with self._adapter_applied(adapter):
+                    batch: list[GenerateJob] = []
+                    for job in jobs:  # calls of at most max_batch_rows sequences (a bigger job runs alone)
+                        if batch and sum(len(j.prompts) * j.params.n for j in batch) + \
+                                len(job.prompts) * job.params.n > self.max_batch_rows:
+                            self._generate(batch, adapter)
+                            batch = []
+                        batch.append(job)
+                    self._generate(batch, adapter)
         return list(self._running)
 
+    @contextmanager
+    def _adapter_applied(self, name: str):
+        """The model's weights with adapter ``name`` added for the duration (none for "" or one not pushed yet)."""
+        delta = self._deltas.get(name)
+        if not delta:
+            yield
+            return
+        params = dict(self.model.named_parameters())
+        saved = {}
+        with torch.no_grad():
+            try:
+                for weight, (a, b) in delta.items():
+                    saved[weight] = params[weight].detach().clone()
+                    params[weight].add_(b @ a)
+                yield
+            finally:
+                for weight, t in saved.items():
+                    params[weight].copy_(t)
+
+    def _load_adapters(self, groups: dict[str, dict[str, torch.Tensor] | None]) -> None:
+        dtype = next(self.model.parameters()).dtype
+        for name, tensors in groups.items():
+            if tensors is None:
+                self._deltas.pop(name, None)
+            else:
+                self._deltas[name] = {w: (a.to(self.device, dtype), b.to(self.device, dtype))
+                                      for w, (a, b) in adapters.pairs(tensors).items()}
+
     @torch.no_grad()
-    def _generate(self, jobs: list[GenerateJob]) -> None:
+    def _generate(self, jobs: list[GenerateJob], adapter: str = "") -> None:
         tok, params = self.tokenizer, jobs[0].params
-        rows = [(job, i) for job in jobs for i in range(len(job.prompts)) for _ in range(job.params.n)]
+        rows = [(job, i) for job in jobs for i in range(len(job.prompts)) if job.adapter(i) == adapter
+                for _ in range(job.params.n)]
+        if not rows:
+            return
         width = max(len(job.prompts[i]) for job, i in rows)
         input_ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
         attention = torch.zeros_like(input_ids)

@@ -25,10 +25,12 @@ def engine_from_config(config: InferenceConfig):
                                  "local launcher sets it from [inference] cpu_threads", field="cpu_threads")
     if config.engine == "hf":
         return build_engine("hf", config.model_dir, dtype=config.dtype, device=config.device,
-                            max_batch_rows=config.max_batch_rows, seed=config.seed)
+                            max_batch_rows=config.max_batch_rows, seed=config.seed,
+                            lora_adapters=config.lora_adapters, max_lora_rank=config.max_lora_rank)
     return build_engine(config.engine, config.model_dir, dtype=config.dtype, seed=config.seed,
                         max_model_len=config.max_model_len, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-                        max_num_seqs=config.max_num_seqs, engine_args=config.vllm_args)
+                        max_num_seqs=config.max_num_seqs, engine_args=config.vllm_args,
+                        lora_adapters=config.lora_adapters, max_lora_rank=config.max_lora_rank)
 
 
 class InferenceService(Service[InferenceConfig]):

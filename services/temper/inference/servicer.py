@@ -56,7 +56,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                                 max_tokens=s.max_tokens, stop=list(s.stop),
                                 seed=s.seed if s.HasField("seed") else None)
         # a caller whose deadline passed (or who hung up) gets nothing more generated for it
-        results, version = self.engine.generate(prompts, params, cancelled=lambda: not context.is_active())
+        results, version = self.engine.generate(prompts, params, cancelled=lambda: not context.is_active(),
+                                                adapters=[p.adapter for p in request.prompts])
         return inference_pb2.GenerateResponse(policy_version=version, results=[
             inference_pb2.PromptResult(prompt_token_ids=r.prompt_token_ids, completions=[
                 inference_pb2.Completion(token_ids=c.token_ids, logprobs=c.logprobs, text=c.text,

@@ -11,6 +11,11 @@ Logprobs: the engine is built with ``logprobs_mode="processed_logprobs"``, so ea
 token's logprob is taken after temperature / top-k / top-p (vLLM's default returns raw logprobs,
 which ignore the temperature the token was sampled at).
 
+LoRA adapters (``lora_adapters``): the engine is built with vLLM's LoRA support (``enable_lora``, one
+slot per adapter); an update of an adapter is written as a PEFT folder in a private temporary folder and
+loaded in place under the adapter's fixed id (``add_lora`` with ``load_inplace``), and each request of a
+prompt that names it carries that LoRARequest. The prefix cache is reset after, as for base weights.
+
 Weights: an update goes through vLLM's own in-place reload (``reload_weights`` on the worker,
 which maps HF checkpoint names onto vLLM's fused layers), then the prefix cache is reset: cached
 KV blocks were computed by the old weights and would otherwise be reused for new prompts.
@@ -18,13 +23,17 @@ KV blocks were computed by the old weights and would otherwise be reused for new
 
 from __future__ import annotations
 
+import itertools
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from temper.inference.engine import Completion, Engine, GenerateJob, PromptResult
+from temper.models import adapters
 from temper.models.dtypes import resolve_cpu_dtype
 from temper.runtime.errors import FailedPrecondition
 
@@ -37,7 +46,8 @@ class VLLMEngine(Engine):
 
     def __init__(self, model_dir: str | Path, dtype: str = "auto", max_model_len: int = 0,
                  kv_cache_memory_bytes: int = 256 << 20, max_num_seqs: int = 256, seed: int = 0,
-                 engine_args: dict[str, Any] | None = None):
+                 engine_args: dict[str, Any] | None = None, lora_adapters: list[str] | None = None,
+                 max_lora_rank: int = 16):
         # In-process engine core: the engine thread steps it directly (no extra process, no IPC).
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
@@ -53,6 +63,13 @@ class VLLMEngine(Engine):
             kv_cache_memory_bytes=kv_cache_memory_bytes, disable_log_stats=True)
         if max_model_len:
             args["max_model_len"] = max_model_len
+        self.adapter_names, self.max_lora_rank = tuple(lora_adapters or ()), max_lora_rank
+        if self.adapter_names:
+            n = len(self.adapter_names)
+            args.update(enable_lora=True, max_loras=n, max_cpu_loras=n, max_lora_rank=max_lora_rank)
+        self._lora: dict[str, Any] = {}  # adapter name -> the LoRARequest its prompts carry (once pushed)
+        self._lora_dir = Path(tempfile.mkdtemp(prefix="temper-adapters-")) if self.adapter_names else None
+        self._lora_versions = itertools.count(1)
         from vllm.platforms import current_platform
 
         if current_platform.is_cpu():
@@ -101,7 +118,8 @@ class VLLMEngine(Engine):
         try:
             for i, ids in enumerate(job.prompts):
                 request_id = f"{job.id}-{i}"
-                self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), params)
+                self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), params,
+                                                lora_request=self._lora.get(job.adapter(i)))
                 added.append(request_id)
                 self._requests[request_id] = (job, i)
         except Exception:
@@ -144,6 +162,27 @@ class VLLMEngine(Engine):
 
     def _shutdown(self) -> None:
         self.llm.llm_engine.engine_core.shutdown()
+        if self._lora_dir is not None:
+            shutil.rmtree(self._lora_dir, ignore_errors=True)
+
+    def _load_adapters(self, groups: dict[str, dict[str, torch.Tensor] | None]) -> None:
+        from vllm.lora.request import LoRARequest
+
+        for name, tensors in groups.items():
+            lora_id = self.adapter_names.index(name) + 1
+            old = self._lora.pop(name, None)
+            if tensors is None:
+                self.llm.llm_engine.remove_lora(lora_id)
+            else:
+                folder = adapters.write(self._lora_dir / name / f"v{next(self._lora_versions)}", tensors,
+                                        str(self.model_dir))
+                if not self.llm.llm_engine.add_lora(LoRARequest(name, lora_id, str(folder), load_inplace=True)):
+                    raise RuntimeError(f"vLLM did not load adapter {name!r}")
+                self._lora[name] = LoRARequest(name, lora_id, str(folder))
+            if old is not None:
+                shutil.rmtree(old.lora_path, ignore_errors=True)
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache")
 
     def _load_weights(self, tensors: dict[str, torch.Tensor] | None) -> None:
         if tensors is None:  # the checkpoint in model_dir

@@ -30,6 +30,8 @@ class LearnerConfig(ServiceConfig, TrainerConfig):
     policy_dir: str = shared_dir("policy", "", "folder where each version is stored before it is pushed, which an "
                                  "inference replica that starts late or restarts loads before SERVING (the "
                                  "inference's policy_dir; shared storage in a cluster); \"\": none")
+    lora_adapters: list[str] = from_job("adapters", [], "per-domain-group LoRA adapters (TrainerConfig.lora_adapters; "
+                                        "the launcher: the names of the job's [job.adapters] table)")
     groups_per_step: int = from_job("prompts_per_step", 16, "GRPO groups per update (the launcher: "
                                                             "[job].prompts_per_step)")
     ranks: int = Field(1, ge=1, le=64, description="data-parallel ranks on this host: the service is rank 0 and "

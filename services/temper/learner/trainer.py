@@ -630,6 +630,9 @@ class Trainer:
                 with torch.no_grad():
                     info["entropy"] = entropy.detach().mean().item()
                     info["approx_kl"] = (old - logprobs.detach()).mean().item()
+                    # |behaviour - learner| per token: on-policy, the training / inference mismatch (first order,
+                    # where approx_kl is second); with lag it includes the staleness
+                    info["logprob_diff_abs_mean"] = (old - logprobs.detach()).abs().mean().item()
                     if is_weights is not None:
                         info["is_weight_mean"] = is_weights.mean().item()
                         info["is_weight_truncated"] = (torch.exp(ratio_base - old) > cfg.tis_cap).float().mean().item()

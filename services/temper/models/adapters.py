@@ -71,6 +71,15 @@ def check(name: str, tensors: dict[str, torch.Tensor], base_shapes: dict[str, tu
     return rank
 
 
+def pairs(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """An adapter's PEFT tensors (checked) as {HF weight name: (A [r, in], B [out, r])}: the weight becomes W + B @ A."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        m = _KEY.fullmatch(key)
+        out.setdefault(f"{m['module']}.weight", {})[m["part"]] = t
+    return {name: (p["A"], p["B"]) for name, p in out.items()}
+
+
 def peft_config(tensors: dict[str, torch.Tensor], base_model: str = "") -> dict:
     """The ``adapter_config.json`` of an adapter given as folded PEFT tensors (scaling 1: lora_alpha = r)."""
     modules = sorted({_KEY.fullmatch(k)["module"].rsplit(".", 1)[-1] for k in tensors})

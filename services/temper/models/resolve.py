@@ -136,10 +136,20 @@ def check_model_dir(model_dir: str | Path, preset: str = "", field: str = "model
 
 def check_service_tables(cfg: dict, model_dir: Path, base: str | Path | None = None) -> None:
     """A ``model_dir`` in [inference] or [learner] that differs from [model]: refused (both sides must
-    load the same folder; the launcher passes [model]'s to both)."""
+    load the same folder; the launcher passes [model]'s to both). A job with per-domain-group adapters
+    ([job.adapters]) whose learner trains no LoRA, or whose server's max_lora_rank is below the learner's rank:
+    refused, the field named."""
     for section in ("inference", "learner"):
         own = cfg.get(section, {}).get("model_dir")
         if own is not None:
             require(_absolute(str(own), base).resolve() == Path(model_dir).resolve(), f"{section}.model_dir",
                     f"{own!r} differs from [model] ({model_dir}); inference and learner load the [model] folder — "
                     f"set it there only")
+    adapters = cfg.get("job", {}).get("adapters")
+    if adapters:  # per-domain-group LoRA adapters: the learner trains them, inference serves them
+        rank = cfg.get("learner", {}).get("lora_rank", 0)
+        require(isinstance(rank, int) and rank > 0, "learner.lora_rank",
+                f"[job.adapters] trains LoRA adapters: set [learner] lora_rank > 0 (got {rank})")
+        served = cfg.get("inference", {}).get("max_lora_rank", 16)
+        require(isinstance(served, int) and rank <= served, "inference.max_lora_rank",
+                f"{served} is below [learner] lora_rank {rank}: the server could not load the adapters")

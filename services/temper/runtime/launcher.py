@@ -434,7 +434,8 @@ class Launcher:
             elif w.get("model") and model_dir is not None:
                 args += [flag, str(model_dir)]
             elif "from_job" in w and w["from_job"] in job:
-                args += [flag, str(job[w["from_job"]])]
+                value = job[w["from_job"]]  # a table gives its keys, a list its items (a list field's flag: a,b)
+                args += [flag, ",".join(map(str, value)) if isinstance(value, dict | list) else str(value)]
             elif w.get("shard"):
                 replicas = replica_names(service_of(name), cfg)
                 if len(replicas) > 1:

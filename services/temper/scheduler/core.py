@@ -55,6 +55,7 @@ from typing import Protocol
 from google.protobuf import json_format
 
 from temper import tasks
+from temper.models.adapters import NAME as ADAPTER_NAME
 from temper.runtime.errors import FailedPrecondition, InvalidArgument, require
 from temper.runtime.logs import get_logger
 from temper.runtime.tracing import current_context_carrier, tracer
@@ -107,6 +108,8 @@ class JobSpec:
     response_prefix: str = ""  # with chat_template: the prefilled start of every answer (scored with it)
     sampling: dict = field(default_factory=dict)  # the [job.sampling] table (temper.scheduler.sampling)
     stop: list[str] = field(default_factory=list)  # an answer ends after the first of these (training and eval)
+    # per-domain-group LoRA adapters: name -> its domains (the [job.adapters] table); {}: one policy
+    adapters: dict[str, list[str]] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, job: dict) -> JobSpec:
@@ -134,7 +137,8 @@ class JobSpec:
                    group_size=p.group_size, domains=list(p.domains) or ["toy.copy", "toy.next"],
                    max_policy_lag=p.max_policy_lag, temperature=p.temperature, max_tokens=p.max_tokens, seed=p.seed,
                    domain_config=config, chat_template=p.chat_template, eval=EvalConfig.from_proto(p.eval),
-                   response_prefix=p.response_prefix, sampling=_json_table(p.sampling, "sampling"), stop=list(p.stop))
+                   response_prefix=p.response_prefix, sampling=_json_table(p.sampling, "sampling"), stop=list(p.stop),
+                   adapters={name: list(a.domains) for name, a in sorted(p.adapters.items())})
         spec.validate()
         return spec
 
@@ -197,6 +201,31 @@ class JobSpec:
             require(d in used, f"domain_config[{d}]", "configures a domain the job neither trains nor evaluates")
             tasks.check_config(d, options, field=f"domain_config[{d}]")
         self.sampling_config.validate(self.domains, self.domain_config)
+        self._validate_adapters(used)
+
+    def _validate_adapters(self, used: set[str]) -> None:
+        require(isinstance(self.adapters, dict), "adapters", "must be a table: adapter name -> list of domains")
+        owner: dict[str, str] = {}
+        for name, domains in self.adapters.items():
+            field_name = f"adapters.{name}"
+            require(bool(ADAPTER_NAME.fullmatch(str(name))), field_name, f"adapter name must match {ADAPTER_NAME.pattern}")
+            require(isinstance(domains, list) and len(domains) > 0 and all(isinstance(d, str) for d in domains),
+                    field_name, "must be a non-empty list of domains")
+            for d in domains:
+                require(d in used, field_name, f"{d!r} is a domain the job neither trains nor evaluates")
+                require(d not in owner, field_name, f"{d!r} is in adapter {owner.get(d)!r} already: one adapter per domain")
+                owner[d] = name
+        if self.adapters:
+            for d in self.domains:
+                require(d in owner, "adapters", f"trained domain {d!r} is in no adapter: with adapters, every "
+                                                "trained domain trains exactly one")
+
+    def adapter_of(self, domain: str) -> str:
+        """The LoRA adapter ``domain`` generates with and trains ("": none, the base policy)."""
+        for name, domains in self.adapters.items():
+            if domain in domains:
+                return name
+        return ""
 
     def eval_sets(self) -> EvalSets | None:
         """The held-out sets (None without evaluation), checked disjoint enough from training."""
@@ -216,7 +245,9 @@ class JobSpec:
                                      chat_template=self.chat_template, eval=self.eval.to_proto(),
                                      response_prefix=self.response_prefix,
                                      sampling=json.dumps(self.sampling, sort_keys=True) if self.sampling else "",
-                                     stop=self.stop)
+                                     stop=self.stop,
+                                     adapters={name: scheduler_pb2.AdapterDomains(domains=domains)
+                                               for name, domains in self.adapters.items()})
 
 
 def _json_table(text: str, field_name: str) -> dict:
@@ -317,11 +348,11 @@ class Job:
     def _retrying(self, call: Callable, what: str) -> Callable:
         """``call``, tried again while it fails with a transient error (module docstring)."""
         @functools.wraps(call)
-        def retried(*args):
+        def retried(*args, **kwargs):
             delay, deadline = 0.5, None
             while True:
                 try:
-                    return call(*args)
+                    return call(*args, **kwargs)
                 except Exception as e:
                     if not self._transient(e):
                         raise
@@ -485,7 +516,8 @@ class Job:
                                                                                "temper.eval.phase": phase}):
             result = evaluate(self.eval_sets, self._answer, self._score, spec.eval.max_tokens or spec.max_tokens, phase,
                               job_id=spec.job_id, response_prefix=spec.response_prefix, samples=spec.eval.samples,
-                              temperature=spec.eval.temperature, seed=spec.eval.seed)
+                              temperature=spec.eval.temperature, seed=spec.eval.seed,
+                              adapters={d: spec.adapter_of(d) for d in spec.eval_domains} if spec.adapters else None)
         self.evals.append(result)
         _log.info("eval", job_id=spec.job_id, phase=phase, policy_version=result.policy_version,
                   accuracy={d: round(a, 3) for d, a in result.accuracy.items()}, seconds=round(result.seconds, 2))
@@ -510,7 +542,9 @@ class Job:
     def _groups(self, step: int, first: int, step_tasks: list[common_pb2.Task], seed: int
                 ) -> list[common_pb2.RolloutGroup]:
         spec = self.spec
-        response = self._generate([t.prompt for t in step_tasks], spec, seed)
+        # with per-domain-group adapters, each prompt is generated with its domain's adapter (``adapters=``)
+        names = {"adapters": [spec.adapter_of(t.domain) for t in step_tasks]} if spec.adapters else {}
+        response = self._generate([t.prompt for t in step_tasks], spec, seed, **names)
         # one response, or one per replica's chunk in prompt order (temper.scheduler.replicas): each its version
         responses = [response] if isinstance(response, inference_pb2.GenerateResponse) else list(response)
         answered = [(result, r.policy_version) for r in responses for result in r.results]
@@ -526,6 +560,7 @@ class Job:
             groups.append(common_pb2.RolloutGroup(
                 group_id=group_id, job_id=spec.job_id, step=step, task=task, created_unix_ms=int(time.time() * 1000),
                 trace_context=trace_context, step_groups=spec.prompts_per_step, loss_weight=loss_weights[task.domain],
+                adapter=spec.adapter_of(task.domain),
                 trajectories=[common_pb2.Trajectory(
                     trajectory_id=f"{group_id}/{k}", group_id=group_id,
                     prompt_token_ids=result.prompt_token_ids, completion_token_ids=c.token_ids,

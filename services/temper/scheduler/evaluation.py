@@ -120,16 +120,20 @@ Score = Callable[[common_pb2.RolloutGroup], common_pb2.RolloutGroup]
 
 def evaluate(eval_sets: EvalSets, generate: Generate, score: Score, max_tokens: int, phase: str,
              job_id: str = "eval", workers: int = 8, response_prefix: str = "", samples: int = 1,
-             temperature: float = 0.0, seed: int = 0) -> scheduler_pb2.EvalResult:
+             temperature: float = 0.0, seed: int = 0, adapters: dict[str, str] | None = None
+             ) -> scheduler_pb2.EvalResult:
     """``samples`` answers (greedy at temperature 0) to every held-out problem in one generate call (so one
     policy version answers all of them), each scored by ``score``. Per domain: accuracy = the fraction of
     answers with reward >= 1 (pass@1, averaged over a problem's samples, then over problems), its standard
     error over the problems, pass@k = the fraction of problems with at least one right answer. ``seed``
-    makes sampled answers reproducible (the same seed before and after training: paired samples)."""
+    makes sampled answers reproducible (the same seed before and after training: paired samples). ``adapters``:
+    domain -> the LoRA adapter its problems are answered with (passed to ``generate`` as ``adapters=``, one name per
+    prompt); None: one policy."""
     t0 = time.perf_counter()
     samples = max(1, samples)
     items = [(d, t) for d, ts in eval_sets.sets.items() for t in ts]
-    response = generate([t.prompt for _, t in items], max_tokens, samples, temperature, seed)
+    names = {"adapters": [adapters.get(d, "") for d, _ in items]} if adapters else {}
+    response = generate([t.prompt for _, t in items], max_tokens, samples, temperature, seed, **names)
     groups = []
     for i, ((_, task), result) in enumerate(zip(items, response.results)):
         if response_prefix:

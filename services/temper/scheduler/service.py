@@ -86,11 +86,15 @@ class SchedulerService(Service[SchedulerConfig]):
     def _make_job(self, spec: JobSpec, resumed: bool = False) -> Job:
         inference, evaluator, reward, config = self.inference, self.evaluator, self.reward, self.config
 
-        def generate(prompts, s: JobSpec, seed: int):
+        def generate(prompts, s: JobSpec, seed: int, adapters: list[str] | None = None):
+            # each prompt travels with its LoRA adapter ("": the base), so a step split over replicas keeps them paired
+            prompts = list(zip(prompts, adapters or [""] * len(prompts)))
+
             def on(replica: InferenceClient):
                 return lambda part, part_seed: replica.generate(
-                    part, n=s.group_size, temperature=s.temperature, max_tokens=s.max_tokens, seed=part_seed,
-                    apply_chat_template=s.chat_template, assistant_prefix=s.response_prefix, stop=s.stop)
+                    [p for p, _ in part], n=s.group_size, temperature=s.temperature, max_tokens=s.max_tokens,
+                    seed=part_seed, apply_chat_template=s.chat_template, assistant_prefix=s.response_prefix,
+                    stop=s.stop, adapters=[a for _, a in part])
 
             answering = self.answering_replicas(len(prompts))
             if not answering:  # one call over the round_robin channel, as without replicas
@@ -107,10 +111,10 @@ class SchedulerService(Service[SchedulerConfig]):
                       policy_versions=sorted({r.policy_version for r in split.responses}))
             return split.responses
 
-        def answer(prompts, max_tokens: int, n: int, temperature: float, seed: int):
+        def answer(prompts, max_tokens: int, n: int, temperature: float, seed: int, adapters: list[str] | None = None):
             return evaluator.generate(prompts, n=n, temperature=temperature, max_tokens=max_tokens, seed=seed,
                                       apply_chat_template=spec.chat_template, assistant_prefix=spec.response_prefix,
-                                      stop=spec.stop)
+                                      stop=spec.stop, adapters=adapters or "")
 
         def publish(group):
             self.producer.send(kafka.ROLLOUTS, group.group_id, group).get(config.publish_timeout_seconds)
