@@ -3,7 +3,6 @@ group of domains; a sequence trains only the adapter its group names, micro-batc
 pushed weights are the adapters alone (scaling folded in), and a checkpoint restores every adapter."""
 
 import copy
-import random
 
 import pytest
 import torch
@@ -13,28 +12,11 @@ from temper.inference.engine import HFEngine
 from temper.learner import checkpoint
 from temper.learner.batching import batch_from_groups, micro_batches, screen_groups
 from temper.learner.trainer import ADAPTER_PREFIX, Trainer, TrainerConfig
-from temper.models.tiny import build_tiny_model
 from temper.runtime.errors import InvalidArgument
 from tests.builders import rollout_group
-from tests.learner.toyloop import generate_batch
 
 TIMING = {"train_seconds", "tokens_per_second", "peak_rss_bytes", "peak_memory_bytes"}
 CFG = TrainerConfig(lora_rank=4, lora_alpha=8.0, lr=1e-2, lora_adapters=["math", "words"])
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def batches(model_dir):
-    engine = HFEngine(model_dir)
-    rng = random.Random(0)
-    out = [generate_batch(engine, rng, groups=8, group_size=4, seed=i) for i in range(3)]
-    for b in out:
-        b.rewards = torch.tensor([float(rng.random() < 0.4) for _ in b.rewards])
-    return out
 
 
 def with_adapters(batch, names):

@@ -14,29 +14,12 @@ from temper.inference.engine import HFEngine, SamplingParams
 from temper.learner import checkpoint
 from temper.learner.batching import Batch, batch_from_groups
 from temper.learner.trainer import Trainer, TrainerConfig
-from temper.models.tiny import build_tiny_model
 from temper.runtime.errors import InvalidArgument
 from temper.v1 import common_pb2
 from tests.builders import rollout_group, trajectory
 from tests.learner.reference import plain_step
-from tests.learner.toyloop import generate_batch
 
 TIMING = {"train_seconds", "tokens_per_second", "peak_rss_bytes", "peak_memory_bytes"}  # measurements, not maths
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def batches(model_dir):
-    engine = HFEngine(model_dir)
-    rng = random.Random(0)
-    out = [generate_batch(engine, rng, groups=8, group_size=4, seed=i) for i in range(3)]
-    for b in out:  # the untrained model rarely earns a reward: give every step a learning signal
-        b.rewards = torch.tensor([float(rng.random() < 0.4) for _ in b.rewards])
-    return out
 
 
 def synthetic_batch(seed: int, n: int = 12, vocab: int = 25) -> Batch:
