@@ -286,8 +286,8 @@ class Critic(torch.nn.Module):
 
 
 def _with_lora(model, config: TrainerConfig):
-    """``model`` with one LoRA adapter, or one per name of ``lora_adapters`` (each initialised from its own seed,
-    B = 0: every adapter starts as the base model)."""
+    """``model`` with one LoRA adapter, or one per name of ``lora_adapters`` (initialised in order from the
+    trainer's seeded RNG; B = 0: every adapter starts as the base model)."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as e:  # pragma: no cover - peft is a dependency of the project
