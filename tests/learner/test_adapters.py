@@ -175,6 +175,5 @@ def test_the_exported_policy_is_the_base_and_each_adapter_as_a_peft_folder(model
         loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32),
                                            out / "adapters" / adapter).eval()
         trainer.model.set_adapter(adapter)
-        trainer._active = adapter
         with torch.no_grad():
             assert torch.allclose(loaded(ids).logits, trainer.model(ids).logits, atol=1e-5), adapter

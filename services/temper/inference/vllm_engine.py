@@ -165,6 +165,11 @@ class VLLMEngine(Engine):
         if self._lora_dir is not None:
             shutil.rmtree(self._lora_dir, ignore_errors=True)
 
+    def _reset_prefix_cache(self) -> None:
+        """Drop the cached KV blocks: they were computed by the weights (or adapters) just replaced."""
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache")
+
     def _load_adapters(self, groups: dict[str, dict[str, torch.Tensor] | None]) -> None:
         from vllm.lora.request import LoRARequest
 
@@ -181,8 +186,7 @@ class VLLMEngine(Engine):
                 self._lora[name] = LoRARequest(name, lora_id, str(folder))
             if old is not None:
                 shutil.rmtree(old.lora_path, ignore_errors=True)
-        if not self.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM refused to reset its prefix cache")
+        self._reset_prefix_cache()
 
     def _load_weights(self, tensors: dict[str, torch.Tensor] | None) -> None:
         if tensors is None:  # the checkpoint in model_dir
@@ -190,8 +194,7 @@ class VLLMEngine(Engine):
         else:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(tensors.items())})
         self.llm.apply_model(_refresh_tied_lm_head)
-        if not self.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM refused to reset its prefix cache")
+        self._reset_prefix_cache()
 
 
 def _refresh_tied_lm_head(model) -> None:

@@ -364,7 +364,6 @@ class Trainer:
             log.warning("share_prompts off: attention implementation %r takes no 4-D mask", attn)
         self.lora = config.lora_rank > 0
         self.adapters = list(config.lora_adapters)  # per-domain-group adapters; []: one policy
-        self._active = ""
         if self.lora:
             self.model = _with_lora(self.model, config)
         self.model.train()
@@ -455,9 +454,8 @@ class Trainer:
         """Make ``name`` the adapter the next forward runs (and trains: PEFT marks only the active adapter
         trainable; the gradients other adapters collected this step stay)."""
         require(name in self.adapters, "adapter", f"{name!r} is not one of the learner's adapters {self.adapters}")
-        if name != self._active:
+        if name != self.model.active_adapter:
             self.model.set_adapter(name)
-            self._active = name
 
     def _values(self, mb: ModelInputs) -> torch.Tensor:
         with self._autocast():
