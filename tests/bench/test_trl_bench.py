@@ -345,6 +345,146 @@ def test_temper_side(tmp_path, seed, lag):
     _save(f"temper-seed{seed}-lag{lag}", result)
 
 
+# -- the same batch through both update rules -------------------------------------------------------
+def same_batch(groups: int = 8, signal: int = 6, seed: int = 0) -> tuple[list[dict], dict]:
+    """A real first step's batch: the job's first training prompts (seed 0), ``group_size`` answers each sampled
+    from the base model by HF generate at the job's temperature (as TRL's side samples), scored by the
+    reasoning-gym verifier; ``signal`` groups whose rewards differ, the rest all-equal (no learning signal, but
+    their tokens count in both losses' denominators, as in a real step)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.bench.trl_peer import score
+
+    spec = _spec(seed, 0)
+    tokenizer = AutoTokenizer.from_pretrained(_model_dir())
+    model = AutoModelForCausalLM.from_pretrained(_model_dir(), dtype=torch.float32).eval()
+    eos = {tokenizer.eos_token_id, *([model.generation_config.eos_token_id] if isinstance(
+        model.generation_config.eos_token_id, int) else model.generation_config.eos_token_id or [])}
+    torch.manual_seed(seed)
+    with_signal, without = [], []
+    for task in training_tasks(spec, spec.eval_sets(), 8):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": task.prompt}], add_generation_prompt=True,
+                                             tokenize=False) + spec.response_prefix
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), do_sample=True, temperature=spec.temperature, top_p=1.0, top_k=0,
+                                 num_return_sequences=spec.group_size, max_new_tokens=spec.max_tokens,
+                                 pad_token_id=tokenizer.pad_token_id)
+        completions, rewards = [], []
+        for row in out[:, len(ids):].tolist():
+            cut = next((i for i, t in enumerate(row) if t in eos), None)
+            completions.append(row if cut is None else row[:cut + 1])  # the EOS is a trained token on both sides
+            rewards.append(score(dict(task.metadata), spec.response_prefix,
+                                 tokenizer.decode(row[:cut] if cut is not None else row, skip_special_tokens=True),
+                                 cut is not None))
+        group = {"prompt_ids": ids, "completions": completions, "rewards": rewards, "domain": task.domain}
+        (with_signal if len(set(rewards)) > 1 else without).append(group)
+        if len(with_signal) >= signal and len(with_signal) + len(without) >= groups:
+            break
+    chosen = with_signal[:signal] + without[:groups - min(signal, len(with_signal))]
+    return chosen, {"signal_groups": min(signal, len(with_signal)), "groups": len(chosen)}
+
+
+def _cos(a: dict, b: dict) -> float:
+    """Cosine of two sets of tensors (same names), as one flat vector each."""
+    dot = sum(float((a[n].double() * b[n].double()).sum()) for n in a)
+    na = sum(float(a[n].double().square().sum()) for n in a) ** 0.5
+    nb = sum(float(b[n].double().square().sum()) for n in b) ** 0.5
+    return dot / (na * nb) if na and nb else float("nan")
+
+
+@pytest.mark.bench
+@needs_model
+@needs_trl
+@pytest.mark.timeout(1800)
+def test_same_batch_update(tmp_path):
+    """One batch, one step, both trainers: do Temper's learner and TRL's GRPOTrainer (configured as the
+    comparison configures it: DAPO token-mean loss, group-scaled advantages, the job's lr, clip range and
+    grad-norm clip, beta 0, one epoch, fp32) make the same update? Both start from the base weights and take
+    the batch on-policy (ratio 1: Temper's behaviour logprobs are its own, as TRL's with one iteration).
+    Compared: the grad norm before clipping, the clipped gradients and the AdamW step (cosine over every
+    parameter), and what each step did to the batch -- the advantage-weighted change of the token logprobs
+    (the surrogate the loss climbs). Known difference: TRL's group std has Bessel's correction (Temper's
+    does not), so its advantages are sqrt((k-1)/k) of Temper's (k = group size; 0.935 at 8): a scale, which
+    clipping at max_grad_norm removes when both norms exceed it and AdamW's first step nearly ignores."""
+    import torch
+
+    from temper.learner.algos import grpo_advantages
+    from temper.learner.batching import Batch
+    from temper.learner.trainer import Trainer, TrainerConfig
+
+    groups, info = same_batch()
+    assert info["signal_groups"] >= 2, info
+    spec = _spec(0, 0)
+    learner = _job_table()["learner"]
+    cfg = TrainerConfig(**{k: v for k, v in learner.items() if k in TrainerConfig.model_fields})
+    trainer = Trainer(_model_dir(), cfg)
+    base = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    prompts = [g["prompt_ids"] for g in groups for _ in g["completions"]]
+    completions = [c for g in groups for c in g["completions"]]
+    rewards = [r for g in groups for r in g["rewards"]]
+    n = len(completions)
+    batch = Batch(prompts, completions, torch.zeros(sum(map(len, completions))), torch.full((n,), spec.temperature),
+                  torch.tensor(rewards, dtype=torch.float32),
+                  torch.tensor([i for i, g in enumerate(groups) for _ in g["completions"]]),
+                  torch.zeros(n, dtype=torch.long),
+                  [g["domain"] for g in groups for _ in g["completions"]], "same-batch")
+    batch.old_logprobs = trainer.token_logprobs(batch).detach().float().cpu()  # on-policy: ratio 1
+    before = batch.old_logprobs.clone()
+    metrics = trainer.step(batch)
+    temper_grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    temper_delta = {n: p.detach() - base[n] for n, p in trainer.model.named_parameters()}
+    temper_after = trainer.token_logprobs(batch).detach().float().cpu()
+
+    peer = {"model_dir": str(_model_dir()), "work_dir": str(tmp_path / "trl-out"), "lr": learner["lr"],
+            "clip_low": learner["clip_low"], "clip_high": learner["clip_high"],
+            "max_grad_norm": learner["max_grad_norm"], "temperature": spec.temperature, "groups": groups,
+            "grads_out": str(tmp_path / "trl-grads.safetensors"), "weights_out": str(tmp_path / "trl-weights.safetensors")}
+    (tmp_path / "spec.json").write_text(json.dumps(peer))
+    env = {**os.environ, "OMP_NUM_THREADS": TRL_THREADS, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": "", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    proc = subprocess.run([str(TRL_PYTHON), str(PEER), "--one-step", str(tmp_path / "spec.json"),
+                           str(tmp_path / "out.json")], capture_output=True, text=True, timeout=1200, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    trl = json.loads((tmp_path / "out.json").read_text())
+    assert trl["handed"] == n, trl  # TRL trained on exactly the batch's sequences
+    trl_grads = load_file(tmp_path / "trl-grads.safetensors")
+    trl_weights = load_file(tmp_path / "trl-weights.safetensors")
+    trl_delta = {n: trl_weights[n] - base[n] for n in base}
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            p.copy_(trl_weights[name])
+    trl_after = trainer.token_logprobs(batch).detach().float().cpu()
+
+    # the surrogate each step climbed: sum over tokens of A * (logp_after - logp_before) / tokens, with
+    # Temper's advantages (the same for both: only the direction of the step is compared)
+    adv = grpo_advantages(batch.rewards, batch.group_index).repeat_interleave(batch.lengths)
+    gain_t = float((adv * (temper_after - before)).mean())
+    gain_r = float((adv * (trl_after - before)).mean())
+    report = {
+        "batch": {**info, "sequences": n, "tokens": int(batch.lengths.sum()), "mean_reward": sum(rewards) / n},
+        "grad_norm": {"temper": metrics["grad_norm"], "trl": trl["logs"].get("grad_norm"),
+                      "clip_at": learner["max_grad_norm"]},
+        "cos_clipped_grads": _cos(temper_grads, {k: trl_grads[k] for k in temper_grads}),
+        "cos_update": _cos(temper_delta, trl_delta),
+        "update_norm_ratio": (sum(float(d.double().square().sum()) for d in temper_delta.values())
+                              / sum(float(d.double().square().sum()) for d in trl_delta.values())) ** 0.5,
+        "surrogate_gain": {"temper": gain_t, "trl": gain_r, "ratio": gain_t / gain_r if gain_r else None},
+        "logprob_change_mean_abs": {"temper": float((temper_after - before).abs().mean()),
+                                    "trl": float((trl_after - before).abs().mean())},
+        "after_vs_after_max_abs": float((temper_after - trl_after).abs().max()),
+        "trl_loss": trl["logs"].get("loss"), "trl_adamw": trl["adamw"], "trl_versions": trl["versions"],
+        "temper_adamw": {k: trainer.optimizer.param_groups[0][k] for k in ("lr", "betas", "eps", "weight_decay")},
+    }
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "same_batch_update.json").write_text(json.dumps(report, indent=2))
+    print("\nsame batch, one step:", json.dumps(report, indent=2))
+    assert report["cos_clipped_grads"] > 0.99, report
+    assert report["cos_update"] > 0.95, report
+    assert 0.9 < report["surrogate_gain"]["ratio"] < 1.1, report
+
+
 @pytest.mark.bench
 def test_report():
     """The table of every part present for this budget, with the gain ratios; the JSON next to it."""

@@ -24,7 +24,8 @@ held-out accuracy is taken before and after, outside the budget, as Temper's job
 ``eval_seed`` before each evaluation. With ``save_dir`` in the spec the trained weights are saved there
 (safetensors), so the bench can also score them with Temper's own evaluator.
 
-Usage: python trl_peer.py SPEC.json OUT.json   (also prints the result as one JSON line)
+Usage: python trl_peer.py SPEC.json OUT.json   (also prints the result as one JSON line);
+       python trl_peer.py --one-step SPEC.json OUT.json   (one step on a given batch: ``one_step``)
 """
 
 from __future__ import annotations
@@ -194,5 +195,75 @@ def main(spec_path: str, out_path: str) -> None:
     print(json.dumps(result), flush=True)
 
 
+def one_step(spec_path: str, out_path: str) -> None:
+    """One GRPOTrainer step on a given batch (``python trl_peer.py --one-step SPEC OUT``), for the bench's
+    same-batch check of the two update rules. SPEC: model_dir, work_dir, lr, clip_low, clip_high,
+    max_grad_norm, temperature, grads_out, weights_out, groups: [{prompt_ids, completions: [[ids]], rewards}].
+    The batch enters through ``rollout_func`` (TRL's hook for outside rollouts: prompt and completion ids as
+    given, completion mask all ones) with the rewards beside it; the rest is TRL's own step: advantages
+    (scale_rewards "group"), the DAPO loss over the batch's tokens, grad-norm clipping, one AdamW step. Saves
+    the clipped gradients (captured before the optimizer step) and the updated weights; OUT gets TRL's logged
+    metrics (grad_norm before clipping, loss) and its AdamW hyper-parameters."""
+    import torch
+    from datasets import Dataset
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    spec = json.loads(Path(spec_path).read_text())
+    groups = spec["groups"]
+    size = len(groups[0]["completions"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+    handed: dict[str, int] = {}
+
+    def rollout(prompts, trainer):
+        out = {"prompt_ids": [], "completion_ids": [], "logprobs": None, "reward": []}
+        for key in prompts:  # the group's completions in order, whatever order TRL asks in
+            g, k = groups[int(key)], handed.get(key, 0)
+            handed[key] = k + 1
+            out["prompt_ids"].append(g["prompt_ids"])
+            out["completion_ids"].append(g["completions"][k])
+            out["reward"].append(g["rewards"][k])
+        return out
+
+    def given_reward(prompts, completions, reward, **_):
+        return list(reward)
+
+    captured: dict = {}
+
+    class Capture(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kw):
+            captured["grads"] = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()
+                                 if p.grad is not None}
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            captured.setdefault("logs", {}).update(logs or {})
+
+    config = GRPOConfig(
+        output_dir=spec["work_dir"], seed=0, use_cpu=True, bf16=False, report_to=[],
+        per_device_train_batch_size=len(groups) * size, gradient_accumulation_steps=1, num_generations=size,
+        max_completion_length=max(len(c) for g in groups for c in g["completions"]), temperature=spec["temperature"],
+        learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        max_grad_norm=spec["max_grad_norm"], epsilon=spec["clip_low"], epsilon_high=spec["clip_high"],
+        beta=0.0, num_iterations=1, loss_type="dapo", scale_rewards="group", shuffle_dataset=False, max_steps=1,
+        logging_steps=1, save_strategy="no", remove_unused_columns=False, disable_tqdm=True)
+    data = Dataset.from_list([{"prompt": str(i)} for i in range(len(groups))])
+    trainer = GRPOTrainer(model=model, reward_funcs=given_reward, args=config, train_dataset=data,
+                          processing_class=tokenizer, callbacks=[Capture()], rollout_func=rollout)
+    trainer.train()
+    save_file({n: g.contiguous() for n, g in captured["grads"].items()}, spec["grads_out"])
+    save_file({n: p.detach().contiguous() for n, p in trainer.model.named_parameters()}, spec["weights_out"])
+    group = trainer.optimizer.param_groups[0]
+    result = {"logs": captured.get("logs", {}), "handed": sum(handed.values()),
+              "adamw": {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")},
+              "versions": {name: importlib.metadata.version(name) for name in ("trl", "transformers", "torch")}}
+    Path(out_path).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result), flush=True)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if sys.argv[1] == "--one-step":
+        one_step(sys.argv[2], sys.argv[3])
+    else:
+        main(sys.argv[1], sys.argv[2])

@@ -271,3 +271,21 @@ def test_dry_run_shows_the_adapters_and_refuses_adapters_without_lora(temper, tm
     job.write_text(body.replace('counting = ["toy.next"]', 'counting = ["toy.copy"]') + "[learner]\nlora_rank = 8\n")
     code, _, err = temper("run", "--dry-run", "--config", str(job))
     assert code == 1 and "adapters.counting" in err and "one adapter per domain" in err, err
+
+
+def test_adapters_check_reads_the_ranks_services_will_start_with(temper, tmp_path, monkeypatch):
+    """The learner's rank and the server's max_lora_rank as each service will read them: an environment variable
+    (which every service inherits from the launcher) over the file, named in the error."""
+    job = tmp_path / "job.toml"
+    job.write_text('[job]\nsteps = 2\ndomains = ["toy.copy", "toy.next"]\n'
+                   '[job.adapters]\ncopying = ["toy.copy"]\ncounting = ["toy.next"]\n[model]\npreset = "tiny"\n')
+    monkeypatch.setenv("TEMPER_LEARNER_LORA_RANK", "8")  # no [learner] lora_rank in the file
+    code, out, err = temper("run", "--dry-run", "--config", str(job))
+    assert code == 0, err
+    monkeypatch.setenv("TEMPER_INFERENCE_MAX_LORA_RANK", "4")
+    code, _, err = temper("run", "--dry-run", "--config", str(job))
+    assert code == 1 and "inference.max_lora_rank" in err and "env TEMPER_INFERENCE_MAX_LORA_RANK" in err, err
+    monkeypatch.delenv("TEMPER_INFERENCE_MAX_LORA_RANK")
+    monkeypatch.setenv("TEMPER_LEARNER_LORA_RANK", "eight")
+    code, _, err = temper("run", "--dry-run", "--config", str(job))
+    assert code == 1 and "learner.lora_rank" in err and "env TEMPER_LEARNER_LORA_RANK" in err, err

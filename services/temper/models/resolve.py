@@ -147,9 +147,26 @@ def check_service_tables(cfg: dict, model_dir: Path, base: str | Path | None = N
                     f"set it there only")
     adapters = cfg.get("job", {}).get("adapters")
     if adapters:  # per-domain-group LoRA adapters: the learner trains them, inference serves them
-        rank = cfg.get("learner", {}).get("lora_rank", 0)
+        rank, where = _setting(cfg, "learner", "lora_rank", 0)
         require(isinstance(rank, int) and rank > 0, "learner.lora_rank",
-                f"[job.adapters] trains LoRA adapters: set [learner] lora_rank > 0 (got {rank})")
-        served = cfg.get("inference", {}).get("max_lora_rank", 16)
+                f"[job.adapters] trains LoRA adapters: set [learner] lora_rank > 0 (got {rank!r} from {where})")
+        served, served_where = _setting(cfg, "inference", "max_lora_rank", 16)
         require(isinstance(served, int) and rank <= served, "inference.max_lora_rank",
-                f"{served} is below [learner] lora_rank {rank}: the server could not load the adapters")
+                f"{served!r} ({served_where}) is below the learner's lora_rank {rank} ({where}): the server could not "
+                f"load the adapters")
+
+
+def _setting(cfg: dict, section: str, field: str, default):
+    """(value, where from) of a service's setting as the service will start with it: its environment variable
+    ``TEMPER_<SECTION>_<FIELD>`` (the launcher passes its environment to every service, and a service's config
+    ranks it above the file: temper.runtime.config), else the job file's ``[section]`` table, else ``default``.
+    An integer's text is read as the int; anything else is returned as given, for the caller's check."""
+    name = f"TEMPER_{section.upper()}_{field.upper()}"
+    raw = os.environ.get(name)
+    if raw is not None:
+        try:
+            return int(raw), f"env {name}"
+        except ValueError:
+            return raw, f"env {name}"
+    table = cfg.get(section, {})
+    return (table[field], f"[{section}] {field}") if field in table else (default, "the default")
