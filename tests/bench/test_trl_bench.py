@@ -382,13 +382,12 @@ def same_batch(groups: int = 8, signal: int = 6, seed: int = 0) -> tuple[list[di
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tests.bench.trl_peer import score
+    from tests.bench.trl_peer import _eos_ids, score
 
     spec = _spec(seed, 0)
     tokenizer = AutoTokenizer.from_pretrained(_model_dir())
     model = AutoModelForCausalLM.from_pretrained(_model_dir(), dtype=torch.float32).eval()
-    eos = {tokenizer.eos_token_id, *([model.generation_config.eos_token_id] if isinstance(
-        model.generation_config.eos_token_id, int) else model.generation_config.eos_token_id or [])}
+    eos = set(_eos_ids(model, tokenizer))  # as TRL's side cuts its answers
     torch.manual_seed(seed)
     with_signal, without = [], []
     for task in training_tasks(spec, spec.eval_sets(), 8):
@@ -415,11 +414,15 @@ def same_batch(groups: int = 8, signal: int = 6, seed: int = 0) -> tuple[list[di
     return chosen, {"signal_groups": sum(len(set(g["rewards"])) > 1 for g in chosen), "groups": len(chosen)}
 
 
+def _norm(a: dict) -> float:
+    """L2 norm of a set of tensors, as one flat vector."""
+    return sum(float(t.double().square().sum()) for t in a.values()) ** 0.5
+
+
 def _cos(a: dict, b: dict) -> float:
     """Cosine of two sets of tensors (same names), as one flat vector each."""
     dot = sum(float((a[n].double() * b[n].double()).sum()) for n in a)
-    na = sum(float(a[n].double().square().sum()) for n in a) ** 0.5
-    nb = sum(float(b[n].double().square().sum()) for n in b) ** 0.5
+    na, nb = _norm(a), _norm(b)
     return dot / (na * nb) if na and nb else float("nan")
 
 
@@ -497,8 +500,7 @@ def test_same_batch_update(tmp_path):
                       "clip_at": learner["max_grad_norm"]},
         "cos_clipped_grads": _cos(temper_grads, {k: trl_grads[k] for k in temper_grads}),
         "cos_update": _cos(temper_delta, trl_delta),
-        "update_norm_ratio": (sum(float(d.double().square().sum()) for d in temper_delta.values())
-                              / sum(float(d.double().square().sum()) for d in trl_delta.values())) ** 0.5,
+        "update_norm_ratio": _norm(temper_delta) / _norm(trl_delta),
         "surrogate_gain": {"temper": gain_t, "trl": gain_r, "ratio": gain_t / gain_r if gain_r else None},
         "logprob_change_mean_abs": {"temper": float((temper_after - before).abs().mean()),
                                     "trl": float((trl_after - before).abs().mean())},

@@ -25,6 +25,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from temper.runtime.config import section_env_name
 from temper.runtime.errors import InvalidArgument, require
 
 PRESETS = ("tiny",)
@@ -161,7 +162,7 @@ def _setting(cfg: dict, section: str, field: str, default):
     ``TEMPER_<SECTION>_<FIELD>`` (the launcher passes its environment to every service, and a service's config
     ranks it above the file: temper.runtime.config), else the job file's ``[section]`` table, else ``default``.
     An integer's text is read as the int; anything else is returned as given, for the caller's check."""
-    name = f"TEMPER_{section.upper()}_{field.upper()}"
+    name = section_env_name(section, field)
     raw = os.environ.get(name)
     if raw is not None:
         try:

@@ -175,7 +175,13 @@ def _split(cls: type[ServiceConfig], argv: list[str] | None) -> tuple[dict[str, 
 
 def env_name(cls: type[ServiceConfig], field: str) -> str:
     """The environment variable of ``field``: ``TEMPER_<SECTION>_<FIELD>``."""
-    return f"TEMPER_{cls.section.upper()}_{field.upper()}"
+    return section_env_name(cls.section, field)
+
+
+def section_env_name(section: str, field: str) -> str:
+    """The environment variable of ``field`` of the service whose config section is ``section`` (the same
+    rule as ``env_name``, for callers that hold a job file's tables rather than the config class)."""
+    return f"TEMPER_{section.upper()}_{field.upper()}"
 
 
 def load_config(cls: type[T], argv: list[str] | None = None) -> T:
