@@ -134,6 +134,35 @@ def test_dry_run_shows_domain_knobs_eval_and_overrides(temper, tmp_path):
     assert "job timeout 600 s" in out
 
 
+def test_dry_run_shows_the_sampling_plan(temper, tmp_path):
+    """The scheduler's sampling as it will start: the policies on, each domain's draw probability and
+    curriculum level; a job without [job.sampling] is told it draws by weights alone."""
+    job = tmp_path / "job.toml"
+    job.write_text('[job]\nsteps = 2\ndomains = ["rg.chain_sum", "rg.gcd", "toy.copy"]\n'
+                   '[job.sampling]\nweights = {"rg.gcd" = 2.0}\npass_threshold = 0.5\n'
+                   '[job.sampling.curriculum]\nwindow = 8\n[job.sampling.adaptive]\nfloor = 0.05\n'
+                   '[job.sampling.dynamic_sampling]\nmax_refill_ratio = 1.5\n[model]\npreset = "tiny"\n')
+    code, out, err = temper("run", "--dry-run", "--config", str(job))
+    assert code == 0, err
+    head = _plan_line(out, "sampling")
+    assert "curriculum (window 8, raise_above 0.8, lower_below 0.2, start_level 0)" in head
+    assert 'adaptive (window 16, signal "progress", floor 0.05)' in head
+    assert "dynamic_sampling (max_refill_ratio 1.5)" in head and "a sample passes at reward >= 0.5" in head
+    # p_d = floor + (1 - 3 floor) w_d / sum w: 0.05 + 0.85 * 2/4 for rg.gcd, 0.05 + 0.85/4 for the others
+    assert "starting draw probabilities rg.chain_sum 0.263, rg.gcd 0.475, toy.copy 0.263" in out
+    assert "rg.chain_sum: curriculum level 0 of " in out and "rg.gcd: curriculum level 0 of " in out
+    assert "toy.copy: curriculum" not in out  # no ladder: no level
+    code, out, err = temper("run", "--dry-run", "--job", "toy")
+    assert code == 0, err
+    assert _plan_line(out, "sampling") == "no [job.sampling] policy: domains drawn by their weights alone"
+    assert "starting draw probability 0.5 for each of 2 domains" in out
+
+
+def _plan_line(out: str, head: str) -> str:
+    """The dry run's line that starts with ``head`` (a 10-column label), without the label."""
+    return next(line[10:] for line in out.splitlines() if line.startswith(f"{head:<10}"))
+
+
 def test_step_labels_table_in_the_plan_and_config_show(temper, tmp_path):
     job = tmp_path / "job.toml"
     job.write_text('[job]\nsteps = 2\n[job.step_labels]\nbudget = 512\nk = 3\nlabel = "hard"\ndelimiter = "\\n"\n'

@@ -65,6 +65,9 @@ def test_every_group_trains_its_domains_adapter_and_inference_generates_with_it(
         assert v["logprob_diff_abs_mean"] < 1e-4, (s["policy_version"], v["logprob_diff_abs_mean"])
     assert {d for s in steps for d in s["domain_mean_reward"]} == {"toy.copy", "toy.next"}
     assert set(summary["eval"]["after"]["accuracy"]) == {"toy.copy", "toy.next"}
+    # JobStatus names each domain's adapter (summary.json's sampling table is the job's last status)
+    assert {d["domain"]: d["adapter"] for d in summary["sampling"]["domains"]} == {"toy.copy": "copying",
+                                                                                   "toy.next": "counting"}
 
 
 def test_the_exported_policy_is_the_untouched_base_and_one_peft_folder_per_adapter(summary):

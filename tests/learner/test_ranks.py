@@ -1,7 +1,8 @@
 """The learner over 2 ranks (gloo, two real processes, a FileStore rendezvous) applies the update one rank
 applies: same loss and weights up to float tolerance, over steps with several epochs and micro-batches; a
 checkpoint restored on rank 0 is restored by the follower; a critic over ranks is refused naming the field;
-the learner service with ``ranks = 2`` trains through its gRPC surface with a follower process."""
+per-domain-group LoRA adapters over 2 replicated ranks train as on one; the learner service with ``ranks = 2``
+trains through its gRPC surface with a follower process."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pydantic import ValidationError
 
 from temper.learner.trainer import Trainer, TrainerConfig
 from temper.models.tiny import build_tiny_model
+from tests.learner.test_adapters import with_adapters
 from tests.learner.test_memory_and_devices import random_batch
 
 pytestmark = pytest.mark.slow
@@ -106,6 +108,74 @@ def test_two_ranks_apply_the_update_of_one(model_dir, tmp_path, sharded):
             assert torch.equal(follower[n], got["final"][n][half:]), n
         else:        # every rank holds the same weights
             assert torch.equal(follower[n], got["final"][n]), n
+
+
+ADAPTERS = {**CONFIG, "lora_rank": 4, "lora_alpha": 8.0, "lora_adapters": ["math", "words"],
+            "shard_parameters": False}
+
+
+def _adapter_batches() -> list:
+    """Step 1: both adapters' groups, interleaved; step 2: math's alone (words must stay exactly as it was)."""
+    return [with_adapters(random_batch(1, 16, vocab=25, completion=(4, 20)), ["math", "words"]),
+            with_adapters(random_batch(2, 16, vocab=25, completion=(4, 20)), ["math"])]
+
+
+def _adapters_rank(rank: int, store: str, model_dir: str, out: str, checkpoint_dir: str) -> None:
+    from temper.learner import checkpoint, ranks
+
+    ranks.init(rank, 2, Path(store))
+    trainer = Trainer(model_dir, TrainerConfig(**ADAPTERS))
+    if rank == 0:
+        metrics, after = [], []
+        for batch in _adapter_batches():
+            metrics.append(trainer.step(batch))
+            after.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+        checkpoint.save(trainer, checkpoint_dir)
+        ranks.tell(("stop",))
+        torch.save({"metrics": metrics, "after": after}, out)
+    else:
+        ranks.follow(trainer)
+        torch.save({n: p.detach().clone() for n, p in trainer.model.named_parameters()}, out)
+
+
+def test_per_domain_group_adapters_over_two_ranks_apply_the_update_of_one(model_dir, tmp_path):
+    """Replicated ranks train per-domain-group adapters as one rank does: the same loss, grad norm and weights,
+    and an adapter no group of a step names is left bit-identical (no zero gradient reaches AdamW)."""
+    one = Trainer(model_dir, TrainerConfig(**ADAPTERS))
+    expected, after = [], []
+    for batch in _adapter_batches():
+        expected.append(one.step(batch))
+        after.append({n: p.detach().clone() for n, p in one.model.named_parameters()})
+    ctx = multiprocessing.get_context("spawn")
+    store, outs = str(tmp_path / "store"), [str(tmp_path / f"r{r}.pt") for r in (0, 1)]
+    procs = [ctx.Process(target=_adapters_rank, args=(r, store, str(model_dir), outs[r], str(tmp_path / "ckpt")))
+             for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    assert [p.exitcode for p in procs] == [0, 0]
+    got, follower = torch.load(outs[0]), torch.load(outs[1])
+    assert got["metrics"][0]["micro_batches"] > 2  # both ranks had micro-batches to train
+    for e, g in zip(expected, got["metrics"]):
+        for key in ("loss", "policy_loss", "grad_norm", "entropy"):
+            assert g[key] == pytest.approx(e[key], rel=1e-4, abs=1e-6), key
+    for step in (0, 1):
+        for n, p in after[step].items():
+            assert torch.allclose(got["after"][step][n], p, atol=1e-5), (step, n)
+    words = [n for n in after[0] if ".words." in n]
+    assert words and all(torch.equal(got["after"][1][n], got["after"][0][n]) for n in words)
+    for n, p in got["after"][1].items():
+        assert torch.equal(follower[n], p), n  # every rank holds the same adapters
+    # the two ranks' checkpoint resumes on one rank: every adapter and its moments (the next step is one rank's)
+    from temper.learner import checkpoint
+
+    resumed = Trainer(model_dir, TrainerConfig(**ADAPTERS))
+    assert checkpoint.load(resumed, tmp_path / "ckpt")["step"] == 2
+    nxt = with_adapters(random_batch(3, 16, vocab=25, completion=(4, 20)), ["words", "math"])
+    assert resumed.step(nxt)["grad_norm"] == pytest.approx(one.step(nxt)["grad_norm"], rel=1e-4)
+    for n, p in one.model.named_parameters():
+        assert torch.allclose(dict(resumed.model.named_parameters())[n], p, atol=1e-5), n
 
 
 def test_a_critic_or_sharded_lora_over_ranks_is_refused_naming_the_field():

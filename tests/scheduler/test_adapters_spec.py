@@ -63,6 +63,16 @@ def test_every_group_and_prompt_of_a_step_carries_its_domains_adapter():
     assert seen == [[g.adapter for g in published]]
 
 
+def test_job_status_names_each_domains_adapter():
+    job = Job(spec(domains=["toy.copy", "toy.next", "toy.add"], adapters={"copying": ["toy.copy"],
+                                                                          "rest": ["toy.next", "toy.add"]}),
+              lambda *a, **k: None, lambda g: None, lambda: 0)
+    assert {d.domain: d.adapter for d in job.status().domains} == {"toy.copy": "copying", "toy.next": "rest",
+                                                                   "toy.add": "rest"}
+    shared = Job(spec(adapters={}), lambda *a, **k: None, lambda g: None, lambda: 0)
+    assert [d.adapter for d in shared.status().domains] == ["", ""]  # one shared policy
+
+
 def test_the_evaluation_answers_each_domain_with_its_adapter():
     s = spec()
     sets = EvalSets(["toy.copy", "toy.next", "toy.add"], 2, 7, {})  # toy.add: eval-only, in no adapter

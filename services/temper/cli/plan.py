@@ -226,6 +226,35 @@ def _monitor_line(plan: Plan) -> str:
         + (f"; off: {', '.join(off)}" if off else "")
 
 
+def _sampling_lines(spec) -> list[str]:
+    """How the scheduler draws: the [job.sampling] policies on, with their settings, and each domain's starting
+    draw probability and curriculum level (the resolved plan, ``JobSpec.sampling_plan``)."""
+    plan = spec.sampling_plan()
+    policies, rows = plan["policies"], plan["domains"]
+    settings = []
+    for name, value in policies.items():
+        if isinstance(value, dict) and name != "weights":
+            shown = {k: v for k, v in value.items() if k != "ladders" and v not in ([], {})}
+            settings.append(name + (f" ({', '.join(f'{k} {json.dumps(v)}' for k, v in shown.items())})"
+                                    if shown else ""))
+        elif name != "weights" and name != "pass_threshold":
+            settings.append(f"{name} {json.dumps(value)}")
+    if settings:
+        settings.append(f"a sample passes at reward >= {policies.get('pass_threshold', 1.0):g}")
+    head = "; ".join(settings) if settings else "no [job.sampling] policy: domains drawn by their weights alone"
+    probs = [r["weight"] for r in rows]
+    if max(probs) - min(probs) < 1e-12:
+        start = f"starting draw probability {probs[0]:.3g} for each of {len(rows)} domains"
+    else:
+        start = "starting draw probabilities " + ", ".join(f"{r['domain']} {r['weight']:.3g}" for r in rows)
+    lines = [head, start]
+    if "curriculum" in policies:
+        lines += [f"{r['domain']}: curriculum level {r['difficulty']} of {r['levels']} ("
+                  + (", ".join(f"{k} = {json.dumps(v)}" for k, v in sorted(r["options"].items())) or "its defaults")
+                  + ")" for r in rows if r["levels"] > 1]
+    return lines
+
+
 def render_plan(plan: Plan) -> str:
     spec, s = plan.spec, plan.services
     inference, learner = s["inference"].config, s["learner"].config
@@ -253,6 +282,7 @@ def render_plan(plan: Plan) -> str:
         lines.append("adapters  " + "\n          ".join(f"{name}: {', '.join(domains)}"
                                                     for name, domains in spec.adapters.items())
                      + "\n          (one LoRA adapter each over a frozen base; other domains: the base)")
+    lines.append("sampling  " + "\n          ".join(_sampling_lines(spec)))
     lines.append("reward    " + "\n          ".join(_reward_lines(plan)))
     lines.append(f"monitor   {_monitor_line(plan)}")
     ev = spec.eval

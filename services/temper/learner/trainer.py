@@ -380,9 +380,6 @@ class Trainer:
             if self.sharded and self.lora:
                 raise InvalidArgument("LoRA adapters are not sharded over ranks: shard_parameters = false with "
                                       "lora_rank > 0", field="shard_parameters")
-            if self.adapters:
-                raise InvalidArgument("per-domain-group adapters train on one rank: lora_adapters with ranks = 1",
-                                      field="lora_adapters")
             for t in self.model.state_dict().values():  # the same starting weights everywhere
                 dist.broadcast(t, 0)
             if self.sharded:
@@ -699,15 +696,19 @@ class Trainer:
         """Sum the gradients (unsharded: one flat buffer; sharded, FSDP reduce-scattered them already) and the
         metric sums over the ranks; a rank's non-finite loss skips the step on every rank."""
         if not self.sharded:
+            # a parameter no rank's micro-batches reached (an adapter no group of this step names) keeps no
+            # gradient, as on one rank: AdamW then leaves it exactly as it is (a zero gradient would move it)
+            touched = torch.tensor([float(p.grad is not None) for p in self.params])
             for p in self.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             flat = torch.cat([p.grad.reshape(-1) for p in self.params])
             dist.all_reduce(flat)
+            dist.all_reduce(touched)
             offset = 0
-            for p in self.params:
+            for p, used in zip(self.params, touched.tolist()):
                 n = p.numel()
-                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+                p.grad = flat[offset:offset + n].view_as(p).clone() if used else None
                 offset += n
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, (bad, sums))

@@ -719,5 +719,6 @@ class Job:
         with self._lock:
             view = self.sampling.domain_view()
         return [scheduler_pb2.DomainStatus(**{**d, "difficulty_options": json.dumps(d["difficulty_options"],
-                                                                                      sort_keys=True)})
+                                                                                      sort_keys=True)},
+                                           adapter=self.spec.adapter_of(d["domain"]))
                 for d in view]
