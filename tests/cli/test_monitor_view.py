@@ -63,11 +63,22 @@ def test_terminal_frame_is_styled_and_lists_no_service_rows_when_all_are_up():
     assert "not running" not in text and "no alerts" in text and "toy.copy" in text
 
 
+def test_a_job_with_adapters_shows_each_domains_adapter():
+    assert "adapter" not in _text(SNAP, terminal=False)  # one shared policy: no column
+    domains = [DomainView("toy.copy", weight=0.5, adapter="copying"), DomainView("toy.next", weight=0.5)]
+    lines = _text(Snapshot(**{**SNAP.__dict__, "domains": domains}), terminal=False).splitlines()
+    assert any("adapter" in line and "weight" in line for line in lines)
+    cells = {line.split("|")[1].strip(): [c.strip() for c in line.strip(" |").split("|")] for line in lines
+             if line.startswith("| toy.")}
+    assert cells["toy.copy"][-2:] == ["0.50", "copying"] and cells["toy.next"][-2:] == ["0.50", "(base)"]
+
+
 def test_json_is_the_snapshot():
     data = json.loads(monitor.to_json(SNAP))
     assert data["job"]["steps_done"] == 12 and data["services"]["replay"] == "not running"
     assert data["domains"][0] == {"domain": "toy.copy", "step": 11, "reward": 0.625, "length": 5.5, "samples": 16,
-                                  "recent_reward": 0.5, "pass_rate": 0.4375, "weight": 0.5, "accuracy": 0.31}
+                                  "recent_reward": 0.5, "pass_rate": 0.4375, "weight": 0.5, "accuracy": 0.31,
+                                  "adapter": ""}
     assert data["alerts"][0]["policy"] == "pause" and data["throughput"]["steps_per_minute"] == 42.5
 
 

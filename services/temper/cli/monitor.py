@@ -49,6 +49,7 @@ class DomainView:
     pass_rate: float | None = None       # the scheduler's recent pass rate
     weight: float | None = None          # current draw probability
     accuracy: float | None = None        # held-out accuracy of the latest evaluation that has the domain
+    adapter: str = ""                    # the LoRA adapter its groups train (job.adapters); "": the shared policy
 
 
 @dataclass
@@ -190,7 +191,7 @@ def gather(state: State | None, job_id: str = "", table: str = "default", alerts
             v.reward, v.length = last.values.get("reward"), last.values.get("length")
         if d in status_of:
             s = status_of[d]
-            v.recent_reward, v.pass_rate, v.weight = s.mean_reward, s.pass_rate, s.weight
+            v.recent_reward, v.pass_rate, v.weight, v.adapter = s.mean_reward, s.pass_rate, s.weight, s.adapter
         if latest_eval is not None and d in latest_eval.accuracy:
             v.accuracy = latest_eval.accuracy[d]
         snap.domains.append(v)
@@ -272,10 +273,11 @@ def render(snap: Snapshot, plain: bool = False):
 
     t = table("domains" + (f"  (accuracy: {snap.eval['phase']} eval, policy v{snap.eval['policy_version']})"
                            if snap.eval else ""),
-              "domain", "step", "reward", "recent", "pass rate", "accuracy", "length", "weight")
+              "domain", "step", "reward", "recent", "pass rate", "accuracy", "length", "weight",
+              *(["adapter"] if (adapters := any(d.adapter for d in snap.domains)) else []))
     for d in snap.domains:
         t.add_row(d.domain, _f(d.step, "d"), _f(d.reward), _f(d.recent_reward), _f(d.pass_rate), _f(d.accuracy),
-                  _f(d.length, ".1f"), _f(d.weight, ".2f"))
+                  _f(d.length, ".1f"), _f(d.weight, ".2f"), *([d.adapter or "(base)"] if adapters else []))
     parts.append(t)
 
     ln, tp, rp = snap.learner, snap.throughput, snap.replay
