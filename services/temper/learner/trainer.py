@@ -698,17 +698,18 @@ class Trainer:
         if not self.sharded:
             # a parameter no rank's micro-batches reached (an adapter no group of this step names) keeps no
             # gradient, as on one rank: AdamW then leaves it exactly as it is (a zero gradient would move it)
-            touched = torch.tensor([float(p.grad is not None) for p in self.params])
+            touched = [float(p.grad is not None) for p in self.params]
             for p in self.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             flat = torch.cat([p.grad.reshape(-1) for p in self.params])
+            touched = torch.tensor(touched, device=flat.device)  # nccl reduces device tensors only
             dist.all_reduce(flat)
             dist.all_reduce(touched)
             offset = 0
             for p, used in zip(self.params, touched.tolist()):
                 n = p.numel()
-                p.grad = flat[offset:offset + n].view_as(p).clone() if used else None
+                p.grad = flat[offset:offset + n].view_as(p) if used else None  # views of the summed buffer
                 offset += n
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, (bad, sums))
