@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.e2e.jobfiles import MODEL, edit_job, run_job_file
+from tests.e2e.jobfiles import MODEL, edit_job, insert_before, run_job_file
 
 pytestmark = pytest.mark.bench
 
@@ -72,9 +72,7 @@ def job_text(mode: str, seed: int) -> str:
     text = edit_job(SMOLLM2_JOB.read_text(), {
         ("job", "steps"): str(STEPS), ("job", "seed"): str(seed), ("job", "domains"): json.dumps(DOMAINS),
         ("job.eval", "size"): str(EVAL_SIZE)})
-    head, sep, rest = text.partition("\n[job.eval]")
-    assert sep, "smollm2.toml has no [job.eval] table"
-    return head + EXTRA_CONFIG + (ADAPTIVE if mode == "adaptive" else "") + sep + rest
+    return insert_before(text, "\n[job.eval]", EXTRA_CONFIG + (ADAPTIVE if mode == "adaptive" else ""))
 
 
 def run(base: Path, mode: str, seed: int) -> dict:

@@ -34,6 +34,14 @@ def edit_job(text: str, values: Mapping[tuple[str, str], str]) -> str:
     return "\n".join(out) + "\n"
 
 
+def insert_before(text: str, marker: str, block: str) -> str:
+    """``text`` with ``block`` inserted before the first ``marker`` (e.g. ``"\n[job.eval]"``: a table of
+    ``block`` goes before that one; lines of ``block`` end the table before it), which must be there."""
+    head, sep, rest = text.partition(marker)
+    assert sep, f"no {marker!r} in the job"
+    return head + block + sep + rest
+
+
 def run_job_file(base: Path, text: str, job_timeout: int = 900) -> dict:
     """``temper run`` of the job ``text`` (written to ``base/job.toml``) on a fresh home under ``base``, one
     OpenMP thread per service; its ``summary.json``, once it exited 0 (else the end of its output)."""

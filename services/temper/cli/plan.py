@@ -233,12 +233,10 @@ def _sampling_lines(spec) -> list[str]:
     policies, rows = plan["policies"], plan["domains"]
     settings = []
     for name, value in policies.items():
-        if isinstance(value, dict) and name != "weights":
-            shown = {k: v for k, v in value.items() if k != "ladders" and v not in ([], {})}
-            settings.append(name + (f" ({', '.join(f'{k} {json.dumps(v)}' for k, v in shown.items())})"
-                                    if shown else ""))
-        elif name != "weights" and name != "pass_threshold":
-            settings.append(f"{name} {json.dumps(value)}")
+        if name in ("weights", "pass_threshold"):  # the two plain settings; every other key is a policy's table
+            continue
+        shown = {k: v for k, v in value.items() if k != "ladders" and v not in ([], {})}
+        settings.append(name + (f" ({', '.join(f'{k} {json.dumps(v)}' for k, v in shown.items())})" if shown else ""))
     if settings:
         settings.append(f"a sample passes at reward >= {policies.get('pass_threshold', 1.0):g}")
     head = "; ".join(settings) if settings else "no [job.sampling] policy: domains drawn by their weights alone"
