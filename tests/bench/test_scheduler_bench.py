@@ -16,7 +16,8 @@ where it started.
 ``TEMPER_SCHED_BENCH_EVAL_SIZE`` (30 problems per domain) size the run: one pair takes ~20 minutes on 2 cores.
 
 A second benchmark measures the per-domain-group LoRA adapters (``[job.adapters]``) against one adapter all
-domains share, on the same six domains: does parameter isolation help where families interfere?
+domains share, on the same six domains: does parameter isolation help where families interfere? A pair takes
+~50 minutes here (vLLM serves LoRA slowly on CPU: steps ~65 s, the final evaluation ~10 minutes).
 """
 
 from __future__ import annotations
