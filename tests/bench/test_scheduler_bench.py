@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.e2e.jobfiles import MODEL, edit_job, insert_before, run_job_file
+from tests.e2e.jobfiles import MODEL, edit_job, insert_before, run_job_file, with_adapters
 
 pytestmark = pytest.mark.bench
 
@@ -72,19 +72,15 @@ lagging = 1.0
 """
 
 
-# adapters vs one shared policy: the same LoRA (rank, targets, learning rate) over the frozen base, either one
-# adapter every domain trains or one per group of families that may interfere -- arithmetic (answers are
-# numbers) and words (answers are letters and counts of them)
+# adapters vs one shared policy: the same LoRA (jobfiles.LORA's rank and targets, one learning rate) over the
+# frozen base, either one adapter every domain trains or one per group of families that may interfere --
+# arithmetic (answers are numbers) and words (answers are letters and counts of them)
 ADAPTER_GROUPS = {
     "shared": {"all": DOMAINS},
     "split": {"arith": ["rg.products", "rg.gcd", "rg.chain_sum", "rg.base_conversion"],
               "words": ["rg.letter_counting", "rg.spell_backward"]},
 }
 LORA_LR = os.environ.get("TEMPER_SCHED_BENCH_LORA_LR", "2e-4")
-LORA = """
-lora_rank = 8
-lora_alpha = 16.0
-lora_target_modules = ["q_proj", "k_proj", "v_proj", "o_proj"]"""
 
 
 def job_text(mode: str, seed: int) -> str:
@@ -94,12 +90,9 @@ def job_text(mode: str, seed: int) -> str:
               ("job.eval", "size"): str(EVAL_SIZE)}
     if mode in ADAPTER_GROUPS:
         values[("learner", "lr")] = LORA_LR
-    text = edit_job(SMOLLM2_JOB.read_text(), values)
-    block = EXTRA_CONFIG + (ADAPTIVE if mode == "adaptive" else "")
-    if mode in ADAPTER_GROUPS:
-        block += "\n[job.adapters]\n" + "".join(f"{n} = {json.dumps(ds)}\n" for n, ds in ADAPTER_GROUPS[mode].items())
-        text = insert_before(text, "\n\n[replay]", LORA)  # LORA's lines end [learner]
-    return insert_before(text, "\n[job.eval]", block)
+    text = insert_before(edit_job(SMOLLM2_JOB.read_text(), values), "\n[job.eval]",
+                         EXTRA_CONFIG + (ADAPTIVE if mode == "adaptive" else ""))
+    return with_adapters(text, ADAPTER_GROUPS[mode]) if mode in ADAPTER_GROUPS else text
 
 
 def run(base: Path, mode: str, seed: int) -> dict:

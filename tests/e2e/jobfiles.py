@@ -42,6 +42,20 @@ def insert_before(text: str, marker: str, block: str) -> str:
     return head + block + sep + rest
 
 
+# per-domain-group LoRA adapters on SmolLM2: rank 8 on the attention projections (3.7 MB per adapter in fp32)
+LORA = """
+lora_rank = 8
+lora_alpha = 16.0
+lora_target_modules = ["q_proj", "k_proj", "v_proj", "o_proj"]"""
+
+
+def with_adapters(text: str, adapters: Mapping[str, list[str]]) -> str:
+    """A shipped job's ``text`` with a ``[job.adapters]`` table (adapter name -> its domains) before
+    ``[job.eval]`` and LORA's lines ending its ``[learner]`` table (the one before ``[replay]``)."""
+    table = "\n[job.adapters]\n" + "".join(f"{name} = {json.dumps(list(ds))}\n" for name, ds in adapters.items())
+    return insert_before(insert_before(text, "\n[job.eval]", table), "\n\n[replay]", LORA)
+
+
 def run_job_file(base: Path, text: str, job_timeout: int = 900) -> dict:
     """``temper run`` of the job ``text`` (written to ``base/job.toml``) on a fresh home under ``base``, one
     OpenMP thread per service; its ``summary.json``, once it exited 0 (else the end of its output)."""

@@ -15,16 +15,12 @@ import torch
 from safetensors.torch import load_file
 
 from temper import jobs
-from tests.e2e.jobfiles import MODEL, edit_job, insert_before, run_job_file
+from tests.e2e.jobfiles import MODEL, edit_job, run_job_file, with_adapters
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]  # SmolLM2 on 2 cores: minutes per run
 
 STEPS = 3
 ADAPTERS = {"arith": ["rg.products", "rg.gcd"], "words": ["rg.letter_counting"]}
-LORA = """
-lora_rank = 8
-lora_alpha = 16.0
-lora_target_modules = ["q_proj", "k_proj", "v_proj", "o_proj"]"""
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +30,7 @@ def summary(tmp_path_factory):
     text = edit_job(jobs.path("smollm2").read_text(), {
         ("job", "steps"): str(STEPS), ("job", "prompts_per_step"): "6", ("job", "group_size"): "4",
         ("job.eval", "size"): "4", ("learner", "lr"): "1e-3"})  # a LoRA learning rate: the adapters move
-    table = "\n[job.adapters]\n" + "".join(f"{name} = {json.dumps(ds)}\n" for name, ds in ADAPTERS.items())
-    text = insert_before(insert_before(text, "\n[job.eval]", table), "\n\n[replay]", LORA)  # LORA ends [learner]
-    return run_job_file(tmp_path_factory.mktemp("smollm2-adapters"), text, job_timeout=1200)
+    return run_job_file(tmp_path_factory.mktemp("smollm2-adapters"), with_adapters(text, ADAPTERS), job_timeout=1200)
 
 
 def test_vllm_generates_with_the_adapters_the_learner_trains(summary):
