@@ -14,6 +14,7 @@ where it started.
 
 ``TEMPER_SCHED_BENCH_SEEDS`` (default "0"), ``TEMPER_SCHED_BENCH_STEPS`` (12),
 ``TEMPER_SCHED_BENCH_EVAL_SIZE`` (30 problems per domain) size the run: one pair takes ~20 minutes on 2 cores.
+``TEMPER_SCHED_BENCH_KL_COEF`` adds a KL penalty to the initial policy (``[learner] kl_coef``) on both sides.
 
 A second benchmark measures the per-domain-group LoRA adapters (``[job.adapters]``) against one adapter all
 domains share, on the same six domains: does parameter isolation help where families interfere? A pair takes
@@ -81,6 +82,9 @@ ADAPTER_GROUPS = {
               "words": ["rg.letter_counting", "rg.spell_backward"]},
 }
 LORA_LR = os.environ.get("TEMPER_SCHED_BENCH_LORA_LR", "2e-4")
+# KL to the frozen initial policy on both sides (the smollm2 job has none): does it keep a seed's policy from
+# collapsing onto one answer? Unset: the job as shipped
+KL_COEF = os.environ.get("TEMPER_SCHED_BENCH_KL_COEF", "")
 
 
 def job_text(mode: str, seed: int) -> str:
@@ -92,6 +96,8 @@ def job_text(mode: str, seed: int) -> str:
         values[("learner", "lr")] = LORA_LR
     text = insert_before(edit_job(SMOLLM2_JOB.read_text(), values), "\n[job.eval]",
                          EXTRA_CONFIG + (ADAPTIVE if mode == "adaptive" else ""))
+    if KL_COEF:
+        text = insert_before(text, "\nclip_low =", f"\nkl_coef = {float(KL_COEF)}")
     return with_adapters(text, ADAPTER_GROUPS[mode]) if mode in ADAPTER_GROUPS else text
 
 
