@@ -161,6 +161,29 @@ def test_unsound_reasoning_gym_contains_pays_the_answer_anywhere():
     assert "UNSOUND" in component(scored.trajectories[1], "reasoning_gym.contains").detail
 
 
+def test_reasoning_gym_exact_pays_full_credit_only():
+    """reasoning-gym's default scorer pays len(reference) / len(answer) when the reference is inside the answer:
+    "10" earns 0.5 where the answer is "1". reasoning_gym.exact pays the family's full credit only."""
+    from temper.reward.settings import DomainSpec
+
+    rng = random.Random(0)
+    task = next(t for t in (gym.make_task("rg.letter_counting", rng, "t") for _ in range(50))
+                if t.reference_answer == "1")
+    texts = ["<answer>1</answer>", "<answer>10</answer>", "<answer>7 or 1</answer>", "<answer>2</answer>",
+             "1 with no tags"]
+    s = Scorer(RewardSettings(domains={"rg": DomainSpec(weights={"reasoning_gym.exact": 1.0, "reasoning_gym": 0.0})}))
+    try:
+        scored = s.score_group(rollout_group(task.domain, task.reference_answer, texts, metadata=dict(task.metadata)))
+    finally:
+        s.close()
+    partial = [component(t, "reasoning_gym").value for t in scored.trajectories]
+    assert partial[0] == 1.0 and partial[1] == 0.5 and 0 < partial[2] < 1 and partial[3:] == [0.0, 0.0]
+    assert [t.reward.total for t in scored.trajectories] == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert [component(t, "reasoning_gym.exact").value for t in scored.trajectories] == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert "partial credit 0.5 pays 0" in component(scored.trajectories[1], "reasoning_gym.exact").detail
+    assert "no <answer>" in component(scored.trajectories[4], "reasoning_gym.exact").detail
+
+
 @pytest.mark.parametrize("family", ["basic_arithmetic", "countdown", "word_sorting", "rearc", "sudoku",
                                     "propositional_logic"])
 def test_reasoning_gym_families_use_their_own_scorer(scorer, family):

@@ -6,6 +6,13 @@ metadata: ``rg.dataset`` (the family), ``rg.seed``, ``rg.size``, ``rg.index`` an
 very object it generated (some scorers need tuples, which JSON would turn into lists). The
 answer is the last ``<answer>...</answer>`` of the completion, as reasoning-gym's own prompts
 ask for; partial credit is whatever the family's scorer gives.
+
+That partial credit can be farmed: reasoning-gym's default scorer pays ``len(reference) / len(answer)``
+when the reference is a substring of the answer, so ``10`` earns 0.5 on every letter-counting or gcd
+problem whose answer is ``1`` or ``0`` (most of them at small sizes) and ``7 * 8 = 56`` earns 0.2 on a
+product. ``reasoning_gym.exact`` pays only the family's full credit (1 or 0), what held-out accuracy
+counts; a domain trains on it with ``weights = { "reasoning_gym.exact" = 1.0, reasoning_gym = 0.0 }``
+in ``[reward.domains.rg]``, the partial credit kept for the record.
 """
 
 from __future__ import annotations
@@ -15,12 +22,14 @@ import json
 import re
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from temper.reward.verifiers import Check, Verifier, register, short
 from temper.reward.verifiers import extract
 from temper.runtime.errors import InvalidArgument, require
 
+FULL_CREDIT = 1.0 - 1e-9  # a family's scorer returns 1.0 for a right answer (float sums may land a hair below)
 META_KEYS = ("rg.dataset", "rg.seed", "rg.size", "rg.index", "rg.config")
 _lock = threading.Lock()  # dataset construction touches module-level state in some families
 
@@ -84,6 +93,21 @@ class ReasoningGymVerifier(Verifier):
                 continue
             checks.append([Check(self.name, value, short(f"answer {answer!r}"))])
         return checks
+
+
+@register
+class ReasoningGymExact(ReasoningGymVerifier):
+    """1 when the family's own scorer gives full credit, else 0 (its partial credit dropped): the reward
+    held-out accuracy counts, with nothing to farm between a wrong answer and a right one."""
+
+    name = "reasoning_gym.exact"
+    components = ("reasoning_gym.exact",)
+
+    def verify(self, completions: Sequence[str], prepared) -> list[list[Check]]:
+        return [[replace(c, value=float(c.value >= FULL_CREDIT),
+                         detail=c.detail if c.value >= FULL_CREDIT or not c.value else
+                         short(f"{c.detail}: partial credit {c.value:.3g} pays 0"))
+                 for c in checks] for checks in super().verify(completions, prepared)]
 
 
 @register
