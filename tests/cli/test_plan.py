@@ -286,6 +286,20 @@ def test_dry_run_shows_what_each_domain_is_paid_and_the_detectors_policies(tempe
     assert monitor.endswith("; off: degeneration")
 
 
+def test_dry_run_pays_reasoning_gym_exact_and_refuses_a_misspelt_component(temper, tmp_path):
+    """A job trains rg domains on the family's full credit only (reasoning_gym.exact); a misspelt component is
+    refused before anything starts, naming the table."""
+    job = tmp_path / "job.toml"
+    body = '[job]\nsteps = 2\ndomains = ["rg.gcd"]\n[model]\npreset = "tiny"\n[reward.domains.rg]\nweights = { %s }\n'
+    job.write_text(body % '"reasoning_gym.exact" = 1.0, reasoning_gym = 0.0')
+    code, out, err = temper("run", "--dry-run", "--config", str(job))
+    assert code == 0, err
+    assert "reward    rg.gcd: [reward.domains.rg] reasoning_gym.exact 1, reasoning_gym 0\n" in out, out
+    job.write_text(body % '"reasoning_gym.exakt" = 1.0')
+    code, _, err = temper("run", "--dry-run", "--config", str(job))
+    assert code == 1 and "domains.rg.weights" in err and "reasoning_gym.exakt" in err and "Traceback" not in err, err
+
+
 def test_dry_run_shows_the_adapters_and_refuses_adapters_without_lora(temper, tmp_path):
     job = tmp_path / "job.toml"
     body = ('[job]\nsteps = 2\ndomains = ["toy.copy", "toy.next"]\n'
