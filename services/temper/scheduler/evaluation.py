@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from temper import tasks
+from temper.reward.verifiers import passes
 from temper.runtime.errors import InvalidArgument, require
 from temper.v1 import common_pb2, inference_pb2, scheduler_pb2
 
@@ -154,7 +155,7 @@ def evaluate(eval_sets: EvalSets, generate: Generate, score: Score, max_tokens: 
     for (domain, _), g in zip(items, scored):
         oks = [r.status == common_pb2.REWARD_STATUS_OK for r in (t.reward for t in g.trajectories)]
         right.setdefault(domain, []).append(
-            sum(1.0 for ok, t in zip(oks, g.trajectories) if ok and t.reward.total >= 1.0 - 1e-9) / max(1, len(oks)))
+            sum(1.0 for ok, t in zip(oks, g.trajectories) if ok and passes(t.reward.total)) / max(1, len(oks)))
         rewards.setdefault(domain, []).append(
             sum(t.reward.total for ok, t in zip(oks, g.trajectories) if ok) / max(1, len(oks)))
     return scheduler_pb2.EvalResult(

@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from temper import tasks
 from temper.reward.settings import MODEL_COMPONENTS
+from temper.reward.verifiers import passes
 from temper.reward.verifiers.suites import CASE_PREFIX
 from temper.runtime.errors import InvalidArgument, require
 from temper.scheduler.evaluation import prompt_key
@@ -435,7 +436,7 @@ class SamplingPolicy:
             return
         if rm_confidence is not None:
             s.recent_rm_confidence.append(min(1.0, max(0.0, float(rm_confidence))))
-        passed = sum(1 for r in rewards if r >= self.config.pass_threshold - 1e-9)
+        passed = sum(1 for r in rewards if passes(r, self.config.pass_threshold))
         s.groups += 1
         s.trajectories += len(rewards)
         s.passes += passed

@@ -44,6 +44,12 @@ class Check:
                                           status=status, error=self.error, detail=short(self.detail))
 
 
+def passes(value: float, threshold: float = 1.0) -> bool:
+    """A reward or component reaching ``threshold`` (full credit at the default 1), a float sum landing a hair
+    below it included: what held-out accuracy, the scheduler's pass rates and ``reasoning_gym.exact`` count."""
+    return value >= threshold - 1e-9
+
+
 def short(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 

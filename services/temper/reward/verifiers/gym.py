@@ -25,11 +25,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from temper.reward.verifiers import Check, Verifier, register, short
+from temper.reward.verifiers import Check, Verifier, passes, register, short
 from temper.reward.verifiers import extract
 from temper.runtime.errors import InvalidArgument, require
 
-FULL_CREDIT = 1.0 - 1e-9  # a family's scorer returns 1.0 for a right answer (float sums may land a hair below)
 META_KEYS = ("rg.dataset", "rg.seed", "rg.size", "rg.index", "rg.config")
 _lock = threading.Lock()  # dataset construction touches module-level state in some families
 
@@ -104,8 +103,8 @@ class ReasoningGymExact(ReasoningGymVerifier):
     components = ("reasoning_gym.exact",)
 
     def verify(self, completions: Sequence[str], prepared) -> list[list[Check]]:
-        return [[replace(c, value=float(c.value >= FULL_CREDIT),
-                         detail=c.detail if c.value >= FULL_CREDIT or not c.value else
+        return [[replace(c, value=float(passes(c.value)),
+                         detail=c.detail if passes(c.value) or not c.value else
                          short(f"{c.detail}: partial credit {c.value:.3g} pays 0"))
                  for c in checks] for checks in super().verify(completions, prepared)]
 
