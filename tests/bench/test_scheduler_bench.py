@@ -16,8 +16,9 @@ where it started.
 ``TEMPER_SCHED_BENCH_EVAL_SIZE`` (30 problems per domain) size the run: one pair takes ~20 minutes on 2 cores.
 ``TEMPER_SCHED_BENCH_KL_COEF`` adds a KL penalty to the initial policy (``[learner] kl_coef``) on both sides,
 ``TEMPER_SCHED_BENCH_ENTROPY_COEF`` an entropy bonus (``[learner] entropy_coef``).
-``TEMPER_SCHED_BENCH_REWARD=exact`` trains both sides on ``reasoning_gym.exact`` (the family's full credit only)
-in place of the job's ``reasoning_gym`` (with reasoning-gym's partial credit, which "10" farms on letter counting).
+Both sides train on the job's reward, ``reasoning_gym.exact`` (the family's full credit only);
+``TEMPER_SCHED_BENCH_REWARD=partial`` trains them on ``reasoning_gym`` instead (reasoning-gym's own scorers, partial
+credit included, which "10" farms on letter counting: what the job paid before 2026-12-07).
 
 A second benchmark measures the per-domain-group LoRA adapters (``[job.adapters]``) against one adapter all
 domains share, on the same six domains: does parameter isolation help where families interfere? A pair takes
@@ -90,14 +91,11 @@ LORA_LR = os.environ.get("TEMPER_SCHED_BENCH_LORA_LR", "2e-4")
 KL_COEF = os.environ.get("TEMPER_SCHED_BENCH_KL_COEF", "")
 # an entropy bonus on both sides (the smollm2 job has none): does keeping the policy's entropy up stop the collapse?
 ENTROPY_COEF = os.environ.get("TEMPER_SCHED_BENCH_ENTROPY_COEF", "")
-# the reward both sides train on: "partial" (the job's: reasoning-gym's scorers, partial credit included) or
-# "exact" (full credit only, what held-out accuracy counts; the partial credit kept at weight 0)
-REWARD = os.environ.get("TEMPER_SCHED_BENCH_REWARD", "partial")
+# the reward both sides train on: "exact" (the job's: full credit only, what held-out accuracy counts) or
+# "partial" (reasoning-gym's scorers, partial credit included)
+REWARD = os.environ.get("TEMPER_SCHED_BENCH_REWARD", "exact")
 assert REWARD in ("partial", "exact"), f"TEMPER_SCHED_BENCH_REWARD={REWARD!r}: partial or exact"
-EXACT_REWARD = """
-[reward.domains.rg]
-weights = { "reasoning_gym.exact" = 1.0, reasoning_gym = 0.0, "format.answer_tag" = 0.0 }
-"""
+PARTIAL_REWARD = '{ reasoning_gym = 1.0, "format.answer_tag" = 0.0 }'
 
 
 def job_text(mode: str, seed: int) -> str:
@@ -107,14 +105,14 @@ def job_text(mode: str, seed: int) -> str:
               ("job.eval", "size"): str(EVAL_SIZE)}
     if mode in ADAPTER_GROUPS:
         values[("learner", "lr")] = LORA_LR
+    if REWARD == "partial":
+        values[("reward.domains.rg", "weights")] = PARTIAL_REWARD
     text = insert_before(edit_job(SMOLLM2_JOB.read_text(), values), "\n[job.eval]",
                          EXTRA_CONFIG + (ADAPTIVE if mode == "adaptive" else ""))
     if KL_COEF:
         text = insert_before(text, "\nclip_low =", f"\nkl_coef = {float(KL_COEF)}")
     if ENTROPY_COEF:
         text = insert_before(text, "\nclip_low =", f"\nentropy_coef = {float(ENTROPY_COEF)}")
-    if REWARD == "exact":
-        text = insert_before(text, "\n[scheduler]", EXACT_REWARD)
     return with_adapters(text, ADAPTER_GROUPS[mode]) if mode in ADAPTER_GROUPS else text
 
 

@@ -420,8 +420,8 @@ def test_the_peer_pays_what_the_reward_service_pays():
 def same_batch(groups: int = 8, signal: int = 6, seed: int = 0) -> tuple[list[dict], dict]:
     """A real first step's batch: the job's first training prompts (seed 0), ``group_size`` answers each sampled
     from the base model by HF generate at the job's temperature (as TRL's side samples), scored by the
-    reasoning-gym reward as the job weighs it; ``signal`` groups whose rewards differ, the rest all-equal (no learning signal, but
-    their tokens count in both losses' denominators, as in a real step)."""
+    reasoning-gym reward as the job weighs it; ``signal`` groups whose rewards differ, the rest all-equal (no
+    learning signal, but their tokens count in both losses' denominators, as in a real step)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -332,3 +332,12 @@ def test_adapters_check_reads_the_ranks_services_will_start_with(temper, tmp_pat
     monkeypatch.setenv("TEMPER_LEARNER_LORA_RANK", "eight")
     code, _, err = temper("run", "--dry-run", "--config", str(job))
     assert code == 1 and "learner.lora_rank" in err and "env TEMPER_LEARNER_LORA_RANK" in err, err
+
+
+def test_the_main_job_trains_on_full_credit_only(temper):
+    """`make run`'s job pays reasoning-gym's full credit only (what held-out accuracy counts: the family's own scorer
+    pays "10" half on a letter count of 1, which a policy farms); the partial credit stays on record at weight 0."""
+    code, out, err = temper("run", "--dry-run", "--job", "smollm2")
+    assert code == 0, err
+    assert _plan_line(out, "reward") == ("rg.products, rg.letter_counting, rg.gcd: [reward.domains.rg] "
+                                         "reasoning_gym.exact 1, reasoning_gym 0, format.answer_tag 0")
