@@ -60,6 +60,10 @@ def test_the_shipped_job_trains_smollm2_and_evaluates_before_and_after(run):
         # a problem's answers are all generated and counted: accuracy is a multiple of 1/(problems * samples)
         assert all(abs(e["accuracy"][d] * 4 * ev["samples"] - round(e["accuracy"][d] * 4 * ev["samples"])) < 1e-6
                    for d in domains)
+    # the answer prior beside the skill: the share of each domain's problems that its most common answer solves
+    assert set(summary["eval"]["majority_share"]) == set(domains)
+    assert all(0.0 < share <= 1.0 for share in summary["eval"]["majority_share"].values())
+    assert all(set(e["accuracy_beyond_majority"]) <= set(domains) for e in summary["eval"]["evals"])
     assert (latest / "eval_accuracy.png").stat().st_size > 0
     assert "eval (before" in out and "eval (final" in out
 

@@ -26,6 +26,10 @@ def test_eval_a_model_folder(tmp_path):
     assert set(result["accuracy"]) == {"toy.copy", "toy.next"}
     assert all(0.0 <= a <= 1.0 for a in result["accuracy"].values())
     assert result["chat_template"] is False and result["generated_tokens"] > 0
+    # toy problems carry reference answers: what always giving the most common one scores, and accuracy on the rest
+    assert set(result["majority_share"]) == {"toy.copy", "toy.next"}
+    assert all(0.0 < share <= 1.0 for share in result["majority_share"].values())
+    assert all(0.0 <= a <= 1.0 for a in result["accuracy_beyond_majority"].values())
     assert "toy.copy" in r.stdout and not (tmp_path / "tiny" / "temper-tiny-recipe.json").exists()
 
 

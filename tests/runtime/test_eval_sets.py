@@ -156,3 +156,33 @@ def test_sampled_evaluation_averages_pass_at_1_over_answers_and_reports_spread_a
     assert result.generated_tokens == 2 * 4 * 2 and result.policy_version == 3
     assert JobSpec.from_dict({"eval": {"size": 5, "samples": 4, "temperature": 0.7}}).eval.answers == 4
     assert JobSpec.from_dict({"eval": {"size": 5}}).eval.answers == 1  # greedy, one answer, as before
+
+
+def test_evaluation_separates_the_most_common_answer_from_the_skill():
+    """Three of four problems share the answer "1": a policy that always says "1" scores 0.75 held-out accuracy and 0
+    beyond the most common answer; one that also gets the odd problem right scores 1 there. A domain whose problems
+    do not all carry a reference answer (code: its tests are the reference) has no majority."""
+    from temper.reward.core import score_group
+    from temper.scheduler.evaluation import evaluate, majority_answers
+    from temper.v1 import inference_pb2
+
+    sets = EvalSets(["toy.copy"], 4, 7, {})
+    for task, ref in zip(sets.sets["toy.copy"], ["1", "1", "2", "1"]):
+        task.reference_answer = ref
+    refs = {t.prompt: t.reference_answer for t in sets.sets["toy.copy"]}
+
+    def policy(knows_the_odd_one: bool):
+        def answer(prompts, max_tokens, n, temperature, seed):
+            texts = [refs[p] if knows_the_odd_one else "1" for p in prompts]
+            return inference_pb2.GenerateResponse(policy_version=1, results=[inference_pb2.PromptResult(
+                completions=[inference_pb2.Completion(text=t, token_ids=[1], finish_reason="stop")]) for t in texts])
+        return answer
+
+    prior = evaluate(sets, policy(False), score_group, 8, "final")
+    assert prior.accuracy["toy.copy"] == 0.75 and prior.majority_share["toy.copy"] == 0.75
+    assert prior.accuracy_beyond_majority["toy.copy"] == 0.0
+    skill = evaluate(sets, policy(True), score_group, 8, "final")
+    assert skill.accuracy["toy.copy"] == 1.0 and skill.accuracy_beyond_majority["toy.copy"] == 1.0
+    assert majority_answers(sets) == {"toy.copy": ("1", 0.75)}
+    sets.sets["toy.copy"][2].reference_answer = ""  # as a code problem, whose tests are its reference
+    assert majority_answers(sets) == {}

@@ -234,15 +234,19 @@ def eval_summary(evals) -> dict:
 
     def point(e) -> dict:
         return {"policy_version": e.policy_version, "accuracy": dict(e.accuracy),
-                "accuracy_stderr": dict(e.accuracy_stderr), "mean_reward": dict(e.mean_reward)}
+                "accuracy_stderr": dict(e.accuracy_stderr), "mean_reward": dict(e.mean_reward),
+                "accuracy_beyond_majority": dict(e.accuracy_beyond_majority)}
 
     return {
         "before": point(first), "after": point(last), "gain": gain,
         "mean_gain": sum(gain.values()) / len(gain) if gain else 0.0,
         "problems_per_domain": first.problems, "samples": max(1, first.samples), "temperature": first.temperature,
+        # what always giving a domain's most common answer scores; accuracy_beyond_majority is the rest's
+        "majority_share": dict(first.majority_share),
         "evals": [{"phase": e.phase, "policy_version": e.policy_version, "accuracy": dict(e.accuracy),
                    "accuracy_stderr": dict(e.accuracy_stderr), "pass_at_k": dict(e.pass_at_k),
-                   "mean_reward": dict(e.mean_reward), "seconds": e.seconds, "generated_tokens": e.generated_tokens}
+                   "mean_reward": dict(e.mean_reward), "accuracy_beyond_majority": dict(e.accuracy_beyond_majority),
+                   "seconds": e.seconds, "generated_tokens": e.generated_tokens}
                   for e in evals],
     }
 

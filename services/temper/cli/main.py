@@ -264,6 +264,12 @@ def cmd_run(args) -> int:
         print("held-out accuracy: " + "  ".join(
             f"{d} {ev['before']['accuracy'][d]:.2f} -> {ev['after']['accuracy'][d]:.2f}" for d in ev["gain"])
             + f"  ({out}/eval_accuracy.png)")
+        beyond = [d for d in ev["gain"] if d in ev["after"].get("accuracy_beyond_majority", {})
+                  and d in ev["before"].get("accuracy_beyond_majority", {}) and d in ev.get("majority_share", {})]
+        if beyond:  # a gain that is the policy learning each domain's most common answer shows here as none
+            print("  beyond the most common answer: " + "  ".join(
+                f"{d} {ev['before']['accuracy_beyond_majority'][d]:.2f} -> {ev['after']['accuracy_beyond_majority'][d]:.2f}"
+                f" ({ev['majority_share'][d]:.0%} of problems share one answer)" for d in beyond))
     if followed.paused:
         print(f"the monitor paused the job after {len(steps)} of {spec.steps} steps: {followed.status.pause_reason}")
         return 3
@@ -350,12 +356,15 @@ def cmd_eval(args) -> int:
            "samples": samples, "temperature": temperature,
            "domain_config": domain_config, "accuracy": dict(result.accuracy), "mean_reward": dict(result.mean_reward),
            "accuracy_stderr": dict(result.accuracy_stderr), "pass_at_k": dict(result.pass_at_k),
+           "majority_share": dict(result.majority_share), "accuracy_beyond_majority": dict(result.accuracy_beyond_majority),
            "seconds": result.seconds, "up_seconds": up_seconds, "generated_tokens": result.generated_tokens,
            "tokens_per_second": result.generated_tokens / result.seconds if result.seconds else 0.0}
     for d in domains:
         print(f"{d:<32} accuracy {result.accuracy[d]:.3f} ± {result.accuracy_stderr[d]:.3f}  "
               f"mean reward {result.mean_reward[d]:.3f}"
-              + (f"  pass@{samples} {result.pass_at_k[d]:.3f}" if samples > 1 else ""))
+              + (f"  pass@{samples} {result.pass_at_k[d]:.3f}" if samples > 1 else "")
+              + (f"  beyond the most common answer ({result.majority_share[d]:.0%} of problems) "
+                 f"{result.accuracy_beyond_majority[d]:.3f}" if d in result.accuracy_beyond_majority else ""))
     how = "greedy" if temperature == 0 else f"{samples} samples at T = {temperature:g} (pass@1 averaged)"
     print(f"{args.size} problems per domain (seed {args.seed}), {how}, {max_tokens} tokens max, "
           f"{out['tokens_per_second']:.0f} tok/s")
