@@ -59,8 +59,7 @@ from safetensors.torch import load_file
 from temper import jobs
 from temper.cli.plan import job_spec
 from temper.learner.export import export_policy
-from temper.reward.settings import DomainSpec as RewardDomainSpec
-from temper.reward.settings import default_domains
+from temper.reward.settings import RewardSettings
 from temper.scheduler.core import MAX_STEPS
 from temper.scheduler.evaluation import draw_training_task
 
@@ -197,19 +196,24 @@ def trl_side(tmp: Path, seed: int) -> dict:
     return result
 
 
-def _job_rg_domain() -> RewardDomainSpec:
-    """The job's reward table for rg domains (its ``[reward.domains.rg]``, else the reward service's default)."""
-    table = _job_table().get("reward", {}).get("domains", {}).get("rg")
-    return RewardDomainSpec(**table) if table else default_domains()["rg"]
+PEER_COMPONENTS = ("reasoning_gym", "reasoning_gym.exact")  # the reward components trl_peer.reward computes
+
+
+def _job_reward_settings() -> RewardSettings:
+    """The job's ``[reward]`` as the reward service reads it (its domain tables over the service's defaults)."""
+    return RewardSettings(**_job_table().get("reward", {}))
 
 
 def rg_reward_weights() -> dict[str, float]:
-    """The job's reward weights for rg domains, which the peer reproduces: only the reasoning-gym components it
-    computes may carry a weight."""
-    weights = _job_rg_domain().weights
-    other = {c: w for c, w in weights.items() if w and c not in ("reasoning_gym", "reasoning_gym.exact")}
-    assert not other, f"the TRL peer computes reasoning_gym and reasoning_gym.exact only; the job also weighs {other}"
-    return {c: w for c, w in weights.items() if c in ("reasoning_gym", "reasoning_gym.exact")}
+    """The reward weights of the job's domains, which the peer reproduces: one table for all of them (the peer
+    takes one), in which only the components it computes carry a weight."""
+    settings = _job_reward_settings()
+    tables = {d: settings.domain_spec(d)[1].weights for d in _spec(0, 0).domains}
+    weights = next(iter(tables.values()))
+    assert all(w == weights for w in tables.values()), f"the TRL peer takes one reward table for all domains: {tables}"
+    other = {c: w for c, w in weights.items() if w and c not in PEER_COMPONENTS}
+    assert not other, f"the TRL peer computes {PEER_COMPONENTS} only; the job also weighs {other}"
+    return {c: w for c, w in weights.items() if c in PEER_COMPONENTS}
 
 
 def temper_evaluator(tmp: Path, seed: int, model: Path, name: str) -> dict:
@@ -396,13 +400,12 @@ def test_the_peer_pays_what_the_reward_service_pays():
     answer (the reference with a digit appended, which reasoning-gym's default scorer pays in part), a wrong
     one and one without tags, under the shipped job's [reward.domains.rg] weights."""
     from temper.reward.core import Scorer
-    from temper.reward.settings import RewardSettings
     from tests.bench.trl_peer import reward
     from tests.builders import rollout_group
 
     spec = _spec(0, 0)
     weights = rg_reward_weights()
-    scorer = Scorer(RewardSettings(domains={"rg": _job_rg_domain()}))
+    scorer = Scorer(_job_reward_settings())
     try:
         for task in training_tasks(spec, spec.eval_sets(), 1):
             ref = task.reference_answer
