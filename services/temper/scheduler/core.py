@@ -232,7 +232,7 @@ class JobSpec:
         if self.eval.size <= 0:
             return None
         sets = EvalSets(self.eval_domains, self.eval.size, self.eval.seed, self.domain_config)
-        check_disjoint(sets, self.domains, self.seed, self.domain_config)
+        check_disjoint(sets, self.domains, self.domain_config)
         return sets
 
     def to_proto(self) -> scheduler_pb2.JobSpec:
