@@ -8,6 +8,7 @@ last ones run the `temper` command itself.
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 import tomllib
@@ -339,5 +340,22 @@ def test_the_main_job_trains_on_full_credit_only(temper):
     pays "10" half on a letter count of 1, which a policy farms); the partial credit stays on record at weight 0."""
     code, out, err = temper("run", "--dry-run", "--job", "smollm2")
     assert code == 0, err
-    assert _plan_line(out, "reward") == ("rg.products, rg.letter_counting, rg.gcd: [reward.domains.rg] "
+    assert _plan_line(out, "reward") == ("rg.products, rg.lcm, rg.gcd: [reward.domains.rg] "
                                          "reasoning_gym.exact 1, reasoning_gym 0, format.answer_tag 0")
+
+
+def test_the_plan_names_each_domains_most_common_answer(temper, tmp_path):
+    """The dry run shows, per evaluated domain, the most common held-out answer and the share of problems it solves:
+    a policy gains that much by giving it everywhere, without the skill. The main job keeps that share at most a
+    third on every family (3-6-word letter counts, 60 % "1", were replaced by lcm, 6 % "40")."""
+    code, out, err = temper("run", "--dry-run", "--job", "smollm2")
+    assert code == 0, err
+    line = next(line for line in out.splitlines() if "most common answer" in line)
+    shares = dict(re.findall(r"(rg\.\w+) '[^']*' (\d+)%", line))
+    assert shares == {"rg.products": "26", "rg.lcm": "6", "rg.gcd": "30"}, line
+    job = tmp_path / "letters.toml"
+    job.write_text('[job]\ndomains = ["rg.letter_counting"]\n[job.domain_config."rg.letter_counting"]\nmin_words = 3\n'
+                   'max_words = 6\n[job.eval]\nsize = 50\n[model]\npreset = "tiny"\n')
+    code, out, err = temper("run", "--dry-run", "--config", str(job))
+    assert code == 0, err
+    assert "most common answer (share of held-out problems it solves): rg.letter_counting '1' 60%" in out, out

@@ -89,6 +89,9 @@ class Plan:
     runs: Path = Path("runs")
     step_labels: dict[str, Any] = field(default_factory=dict)         # [job.step_labels] resolved (temper prm)
     step_label_sources: dict[str, str] = field(default_factory=dict)  # key -> default | job.step_labels
+    # domain -> (its most common held-out answer, the share of held-out problems it solves): what a policy gains
+    # by learning to give that answer everywhere, without the skill
+    majority: dict[str, tuple[str, float]] = field(default_factory=dict)
 
 
 def make_plan(launcher: Launcher, steps: int = 0, seed: int | None = None, start_timeout: float = 0.0,
@@ -98,6 +101,7 @@ def make_plan(launcher: Launcher, steps: int = 0, seed: int | None = None, start
     from temper.models import check_service_tables, resolve_model
     from temper.models.resolve import TINY_MARKER
     from temper.runtime.errors import InvalidArgument
+    from temper.scheduler.evaluation import majority_answers
 
     table = launcher.config()
     source = launcher.config_path
@@ -105,7 +109,7 @@ def make_plan(launcher: Launcher, steps: int = 0, seed: int | None = None, start
     spec = job_spec(job_table, source, steps, seed)
     step_labels, step_label_sources = step_label_settings(job_table, source)
     # refused before anything starts: held-out sets that overlap training, a model the job cannot use
-    spec.eval_sets()
+    sets = spec.eval_sets()
     job_sources = {f.name: "file" if f.name in job_table else "default" for f in dataclasses.fields(spec)}
     if steps:
         job_sources["steps"] = "flag --steps"
@@ -122,7 +126,7 @@ def make_plan(launcher: Launcher, steps: int = 0, seed: int | None = None, start
     built = (model.dir / TINY_MARKER).exists() if model.preset == "tiny" else True
     plan = Plan(source, launcher.home, table, spec, job_sources, model, built, waves=waves(list(SERVICES)),
                 start_timeout=start_timeout, job_timeout=job_timeout, runs=Path(runs), step_labels=step_labels,
-                step_label_sources=step_label_sources)
+                step_label_sources=step_label_sources, majority=majority_answers(sets) if sets else {})
     errors = []
     for name in SERVICES:
         cls = config_class(name)
@@ -292,6 +296,9 @@ def render_plan(plan: Plan) -> str:
                      f"seed {ev.seed}, {how}, "
                      f"{ev.max_tokens or spec.max_tokens} tokens max; before training, "
                      f"{when}and at the end")
+        if plan.majority:
+            lines.append("          most common answer (share of held-out problems it solves): " + ", ".join(
+                f"{domain} {answer!r} {share:.0%}" for domain, (answer, share) in plan.majority.items()))
     else:
         lines.append("eval      none (job.eval.size = 0)")
     sl = plan.step_labels
