@@ -165,11 +165,13 @@ def trl_side(tmp: Path, seed: int) -> dict:
         "response_prefix": spec.response_prefix, "bf16": TRL_BF16, "lr": learner.get("lr", 1e-5),
         "clip_low": learner.get("clip_low", 0.2), "clip_high": learner.get("clip_high", 0.28),
         "max_grad_norm": learner.get("max_grad_norm", 1.0), "epochs": learner.get("epochs", 1),
+        "warmup_steps": learner.get("warmup_steps", 0),
         "reward_weights": rg_reward_weights(),
         "train": [_task(t) for t in train],
         "eval": [_task(t) for ts in eval_sets.sets.values() for t in ts],
     }
     assert spec.chat_template, "the job's prompts are chat turns; the peer renders them the same way"
+    assert learner.get("lr_schedule", "constant") == "constant", "the peer ramps the lr as a constant schedule does"
     (tmp / "trl-spec.json").write_text(json.dumps(peer_spec))
     env = {**os.environ, "OMP_NUM_THREADS": TRL_THREADS, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": ""}

@@ -121,6 +121,19 @@ def _eos_ids(model, tokenizer) -> list[int]:
     return ids or [tokenizer.eos_token_id]
 
 
+def warmed_up(model, spec: dict) -> tuple:
+    """GRPOTrainer's ``optimizers``: with the job's ``warmup_steps`` W > 0, AdamW (its defaults, as the Trainer's) and
+    the lr ramp Temper's learner applies, (k + 1) / W at the k-th update (counted from 0) up to 1; TRL's own
+    ``constant_with_warmup`` starts at k / W, a first update at lr 0. Else (None, None): the Trainer's own."""
+    warmup = spec.get("warmup_steps", 0)
+    if not warmup:
+        return None, None
+    import torch
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / warmup))
+
+
 def main(spec_path: str, out_path: str) -> None:
     import torch
     from datasets import Dataset
@@ -188,7 +201,7 @@ def main(spec_path: str, out_path: str) -> None:
                               for t in spec["train"]])
     budget = Budget(spec["budget_s"])
     trainer = GRPOTrainer(model=model, reward_funcs=reasoning_gym_reward, args=config, train_dataset=data,
-                          processing_class=tokenizer, callbacks=[budget])
+                          processing_class=tokenizer, callbacks=[budget], optimizers=warmed_up(model, spec))
     t0 = time.monotonic()
     trainer.train()
     wall = time.monotonic() - t0

@@ -1,6 +1,6 @@
 """Per-domain-group LoRA adapters on the real model, as `temper run` runs them: the shipped smollm2 job (vLLM
 engine in fp32, reasoning-gym families, chat template, prefilled answer tag) at a small size with
-``[job.adapters]`` putting the arithmetic families in one adapter and letter counting in another.
+``[job.adapters]`` putting products in one adapter and the divisor families (gcd, lcm) in another.
 
 Checked: every group trained (none dropped), vLLM generated every step with the adapters the learner trains (the
 learner's logprobs of each sample before its update equal vLLM's: on-policy, a served base or a stale adapter
@@ -20,7 +20,7 @@ from tests.e2e.jobfiles import MODEL, edit_job, run_job_file, with_adapters
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]  # SmolLM2 on 2 cores: minutes per run
 
 STEPS = 3
-ADAPTERS = {"arith": ["rg.products", "rg.gcd"], "words": ["rg.letter_counting"]}
+ADAPTERS = {"arith": ["rg.products"], "divisors": ["rg.gcd", "rg.lcm"]}
 
 
 @pytest.fixture(scope="module")
