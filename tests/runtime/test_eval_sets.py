@@ -7,7 +7,16 @@ import pytest
 from temper import tasks
 from temper.runtime.errors import InvalidArgument
 from temper.scheduler.core import JobSpec
-from temper.scheduler.evaluation import EvalConfig, EvalSets, check_disjoint, check_scorable, draw_training_task
+from temper.scheduler.evaluation import (
+    MAX_OVERLAP,
+    OVERLAP_PROBE,
+    EvalConfig,
+    EvalSets,
+    check_disjoint,
+    check_scorable,
+    draw_training_task,
+    overlap_probe,
+)
 from temper.v1 import reward_pb2
 
 CHAIN = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
@@ -69,6 +78,20 @@ def test_the_overlap_verdict_does_not_depend_on_the_training_seed():
             assert verdict == "accepted", size
         except InvalidArgument:
             assert verdict == "refused", size
+
+
+def test_the_overlap_probe_stops_once_the_verdict_is_clear():
+    """A domain far from the limit is settled in a few dozen draws (some families cost 0.1-0.3 s a problem); one near
+    it, or past it, is probed until the hits decide."""
+    products = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+    sets = EvalSets(["rg.chain_sum", "rg.products"], 50, seed=1_000_003,
+                    domain_config={"rg.chain_sum": {**CHAIN, "max_digits": 3}, "rg.products": products})
+    hits, draws = overlap_probe(sets, "rg.chain_sum", {**CHAIN, "max_digits": 3})
+    assert draws < 50 and hits / draws < MAX_OVERLAP, (hits, draws)
+    assert overlap_probe(sets, "rg.products", products)[1] == OVERLAP_PROBE  # ~49 %: every draw counts
+    swallowed = EvalSets(["rg.chain_sum"], 150, seed=3, domain_config={"rg.chain_sum": CHAIN})
+    hits, draws = overlap_probe(swallowed, "rg.chain_sum", CHAIN)
+    assert hits > MAX_OVERLAP * OVERLAP_PROBE and draws < OVERLAP_PROBE, (hits, draws)
 
 
 def test_domain_knobs_reach_the_family_and_prompts_ask_for_the_verifiers_form():
