@@ -421,6 +421,25 @@ def test_the_peer_pays_what_the_reward_service_pays():
         scorer.close()
 
 
+def test_the_peer_ramps_the_lr_as_the_learner_does():
+    """TRL's optimiser under the job's [learner] warm-up takes the learning rate Temper's learner takes at every update
+    (the peer runs in TRL's venv and imports nothing of Temper, so its ramp is pinned to ``lr_factor`` here)."""
+    import torch
+
+    from temper.learner.schedules import lr_factor
+    from tests.bench.trl_peer import warmed_up
+
+    learner = _job_table()["learner"]
+    warmup, lr = learner.get("warmup_steps", 0), learner["lr"]
+    assert warmup > 0, "the shipped job ramps its lr; a job without warm-up leaves TRL's optimiser its own"
+    optimizer, scheduler = warmed_up(torch.nn.Linear(2, 2), {"lr": lr, "warmup_steps": warmup})
+    for k in range(warmup + 3):
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(lr * lr_factor(k, "constant", warmup, 0, 0.0)), k
+        optimizer.step()
+        scheduler.step()
+    assert warmed_up(torch.nn.Linear(2, 2), {"lr": lr, "warmup_steps": 0}) == (None, None)
+
+
 # -- the same batch through both update rules -------------------------------------------------------
 def same_batch(groups: int = 8, signal: int = 6, seed: int = 0) -> tuple[list[dict], dict]:
     """A real first step's batch: the job's first training prompts (seed 0), ``group_size`` answers each sampled

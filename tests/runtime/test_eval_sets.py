@@ -20,6 +20,7 @@ from temper.scheduler.evaluation import (
 from temper.v1 import reward_pb2
 
 CHAIN = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+PRODUCTS = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}  # 100 problems: the smollm2 job's
 
 
 def test_eval_sets_are_fixed_by_their_seed_and_distinct():
@@ -59,10 +60,9 @@ def test_the_overlap_verdict_does_not_depend_on_the_training_seed():
     """One-digit products (100 problems) with 50 held out sit at the limit: when the check's simulated draws were
     seeded by the training seed, the smollm2 job ran on seeds 0 and 3 and was refused on 1, 2 and 4. The verdict is
     now one per job whatever its seed."""
-    products = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
     verdicts = set()
     for seed in range(6):
-        spec = JobSpec(domains=["rg.products"], domain_config={"rg.products": products}, seed=seed,
+        spec = JobSpec(domains=["rg.products"], domain_config={"rg.products": PRODUCTS}, seed=seed,
                        eval=EvalConfig(size=50, seed=1_000_003))
         try:
             spec.eval_sets()
@@ -71,7 +71,7 @@ def test_the_overlap_verdict_does_not_depend_on_the_training_seed():
             verdicts.add("refused")
     assert len(verdicts) == 1, verdicts
     for size, verdict in ((30, "accepted"), (70, "refused")):  # well inside and well past the limit
-        spec = JobSpec(domains=["rg.products"], domain_config={"rg.products": products}, seed=1,
+        spec = JobSpec(domains=["rg.products"], domain_config={"rg.products": PRODUCTS}, seed=1,
                        eval=EvalConfig(size=size, seed=1_000_003))
         try:
             spec.eval_sets()
@@ -83,12 +83,11 @@ def test_the_overlap_verdict_does_not_depend_on_the_training_seed():
 def test_the_overlap_probe_stops_once_the_verdict_is_clear():
     """A domain far from the limit is settled in a few dozen draws (some families cost 0.1-0.3 s a problem); one near
     it, or past it, is probed until the hits decide."""
-    products = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
     sets = EvalSets(["rg.chain_sum", "rg.products"], 50, seed=1_000_003,
-                    domain_config={"rg.chain_sum": {**CHAIN, "max_digits": 3}, "rg.products": products})
+                    domain_config={"rg.chain_sum": {**CHAIN, "max_digits": 3}, "rg.products": PRODUCTS})
     hits, draws = overlap_probe(sets, "rg.chain_sum", {**CHAIN, "max_digits": 3})
     assert draws < 50 and hits / draws < MAX_OVERLAP, (hits, draws)
-    assert overlap_probe(sets, "rg.products", products)[1] == OVERLAP_PROBE  # ~49 %: every draw counts
+    assert overlap_probe(sets, "rg.products", PRODUCTS)[1] == OVERLAP_PROBE  # ~49 %: every draw counts
     swallowed = EvalSets(["rg.chain_sum"], 150, seed=3, domain_config={"rg.chain_sum": CHAIN})
     hits, draws = overlap_probe(swallowed, "rg.chain_sum", CHAIN)
     assert hits > MAX_OVERLAP * OVERLAP_PROBE and draws < OVERLAP_PROBE, (hits, draws)
