@@ -35,8 +35,8 @@ gradients, the AdamW step and what each did to the batch's logprobs (the update 
 Parts (each a test, so each fits a run of its own): ``test_trl_side[seedS]`` and
 ``test_temper_side[seedS-lagL]`` write ``$TEMPER_BENCH_OUT/<part>-budget<B>.json`` (default
 bench-results/trl/); ``test_report`` prints the table from the parts present for this budget and
-writes ``trl_vs_temper-budget<B>.json``. Seeds: ``TEMPER_BENCH_SEEDS`` (default 0,3: seeds 1, 2 and 4 draw
-training prompts that overlap rg.products' held-out set, which the job refuses); lags:
+writes ``trl_vs_temper-budget<B>.json``. Seeds: ``TEMPER_BENCH_SEEDS`` (default 0,3: the
+README's seeds, so parts from earlier runs stay comparable; any seed runs); lags:
 ``TEMPER_BENCH_LAGS`` (default 0,1,2). Goal: Temper's gain >= 1.5x TRL's.
 Run: ``make bench-peers`` once, then ``make bench`` (or ``pytest -s -m bench tests/bench/test_trl_bench.py``).
 """
