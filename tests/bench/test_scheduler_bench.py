@@ -19,6 +19,10 @@ where it started.
 Both sides train on the job's reward, ``reasoning_gym.exact`` (the family's full credit only);
 ``TEMPER_SCHED_BENCH_REWARD=partial`` trains them on ``reasoning_gym`` instead (reasoning-gym's own scorers, partial
 credit included, which "10" farms on letter counting: what the job paid before 2026-12-07).
+``TEMPER_SCHED_BENCH_MIX`` picks the six families: ``letters`` (the default, the README's figures) has 3-6-word
+letter counts, 57 % of whose held-out answers are "1", so part of either mode's gain is learning that answer;
+``lcm`` has the shipped job's lcm of two numbers up to 20 in their place (its most common answer solves 6 %).
+Each mode's mean accuracy beyond each family's most common answer is printed beside its accuracy.
 
 A second benchmark measures the per-domain-group LoRA adapters (``[job.adapters]``) against one adapter all
 domains share, on the same six domains: does parameter isolation help where families interfere? A pair takes
@@ -29,23 +33,32 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import tomllib
 from pathlib import Path
 
 import pytest
 
+from temper.cli.plan import job_spec
 from tests.conftest import REPO
 from tests.e2e.jobfiles import MODEL, edit_job, insert_before, run_job_file, with_adapters
-
-pytestmark = pytest.mark.bench
 
 SEEDS = [int(s) for s in os.environ.get("TEMPER_SCHED_BENCH_SEEDS", "0").split(",")]
 STEPS = int(os.environ.get("TEMPER_SCHED_BENCH_STEPS", "12"))
 EVAL_SIZE = int(os.environ.get("TEMPER_SCHED_BENCH_EVAL_SIZE", "30"))
 SMOLLM2_JOB = REPO / "services" / "temper" / "jobs" / "smollm2.toml"
-# the smollm2 job's three families, where SmolLM2 starts weak and learns, and three more: sums of two one-digit
-# numbers (it restates them and rarely answers), spelling a short word backwards, writing a small number in
-# another base -- of other difficulty, so that mixing matters
-DOMAINS = ["rg.products", "rg.letter_counting", "rg.gcd", "rg.chain_sum", "rg.spell_backward", "rg.base_conversion"]
+# three families where SmolLM2 starts weak and learns, and three more: sums of two one-digit numbers (it restates
+# them and rarely answers), spelling a short word backwards, writing a small number in another base -- of other
+# difficulty, so that mixing matters. "letters": letter counts (the smollm2 job's family until 2026-12-07) as the
+# third; "lcm": the job's lcm in its place, a family without a dominant answer
+MIXES = {
+    "letters": ["rg.products", "rg.letter_counting", "rg.gcd", "rg.chain_sum", "rg.spell_backward",
+                "rg.base_conversion"],
+    "lcm": ["rg.products", "rg.lcm", "rg.gcd", "rg.chain_sum", "rg.spell_backward", "rg.base_conversion"],
+}
+MIX = os.environ.get("TEMPER_SCHED_BENCH_MIX", "letters")
+assert MIX in MIXES, f"TEMPER_SCHED_BENCH_MIX={MIX!r}: one of {', '.join(MIXES)}"
+DOMAINS = MIXES[MIX]
 EXTRA_CONFIG = """
 [job.domain_config."rg.chain_sum"]
 min_terms = 2
@@ -80,11 +93,16 @@ lagging = 1.0
 # adapters vs one shared policy: the same LoRA (jobfiles.LORA's rank and targets, one learning rate) over the
 # frozen base, either one adapter every domain trains or one per group of families that may interfere --
 # arithmetic (answers are numbers) and words (answers are letters and counts of them)
-ADAPTER_GROUPS = {
-    "shared": {"all": DOMAINS},
-    "split": {"arith": ["rg.products", "rg.gcd", "rg.chain_sum", "rg.base_conversion"],
-              "words": ["rg.letter_counting", "rg.spell_backward"]},
-}
+WORD_FAMILIES = ("rg.letter_counting", "rg.spell_backward")
+
+
+def adapter_groups(domains: list[str]) -> dict[str, dict[str, list[str]]]:
+    return {"shared": {"all": list(domains)},
+            "split": {"arith": [d for d in domains if d not in WORD_FAMILIES],
+                      "words": [d for d in domains if d in WORD_FAMILIES]}}
+
+
+ADAPTER_GROUPS = adapter_groups(DOMAINS)
 LORA_LR = os.environ.get("TEMPER_SCHED_BENCH_LORA_LR", "2e-4")
 # KL to the frozen initial policy on both sides (the smollm2 job has none): does it keep a seed's policy from
 # collapsing onto one answer? Unset: the job as shipped
@@ -98,22 +116,38 @@ assert REWARD in ("partial", "exact"), f"TEMPER_SCHED_BENCH_REWARD={REWARD!r}: p
 PARTIAL_REWARD = '{ reasoning_gym = 1.0, "format.answer_tag" = 0.0 }'
 
 
-def job_text(mode: str, seed: int) -> str:
-    """The smollm2 job over the six domains for ``mode``: "uniform" / "adaptive" mixing (full fine-tuning), or
-    an ADAPTER_GROUPS key (uniform mixing, LoRA adapters as that key groups the domains)."""
-    values = {("job", "steps"): str(STEPS), ("job", "seed"): str(seed), ("job", "domains"): json.dumps(DOMAINS),
+def only_domain_configs(text: str, domains: list[str]) -> str:
+    """``text`` without the ``[job.domain_config."<d>"]`` tables of domains not in ``domains`` (the job refuses
+    options for a domain it neither trains nor evaluates)."""
+    out, dropping = [], False
+    for line in text.splitlines(keepends=True):
+        if line.startswith("["):
+            m = re.fullmatch(r'\[job\.domain_config\."([^"]+)"\]\s*', line)
+            dropping = bool(m) and m.group(1) not in domains
+        if not dropping:
+            out.append(line)
+    return "".join(out)
+
+
+def job_text(mode: str, seed: int, domains: list[str] | None = None) -> str:
+    """The smollm2 job over the six domains (``domains``, default the mix's) for ``mode``: "uniform" /
+    "adaptive" mixing (full fine-tuning), or an ADAPTER_GROUPS key (uniform mixing, LoRA adapters as that key
+    groups the domains)."""
+    domains = domains or DOMAINS
+    values = {("job", "steps"): str(STEPS), ("job", "seed"): str(seed), ("job", "domains"): json.dumps(domains),
               ("job.eval", "size"): str(EVAL_SIZE)}
-    if mode in ADAPTER_GROUPS:
+    groups = adapter_groups(domains)
+    if mode in groups:
         values[("learner", "lr")] = LORA_LR
     if REWARD == "partial":
         values[("reward.domains.rg", "weights")] = PARTIAL_REWARD
-    text = insert_before(edit_job(SMOLLM2_JOB.read_text(), values), "\n[job.eval]",
+    text = insert_before(edit_job(only_domain_configs(SMOLLM2_JOB.read_text(), domains), values), "\n[job.eval]",
                          EXTRA_CONFIG + (ADAPTIVE if mode == "adaptive" else ""))
     if KL_COEF:
         text = insert_before(text, "\nclip_low =", f"\nkl_coef = {float(KL_COEF)}")
     if ENTROPY_COEF:
         text = insert_before(text, "\nclip_low =", f"\nentropy_coef = {float(ENTROPY_COEF)}")
-    return with_adapters(text, ADAPTER_GROUPS[mode]) if mode in ADAPTER_GROUPS else text
+    return with_adapters(text, groups[mode]) if mode in groups else text
 
 
 def run(base: Path, mode: str, seed: int) -> dict:
@@ -125,7 +159,8 @@ def run(base: Path, mode: str, seed: int) -> dict:
     before, after = summary["eval"]["before"]["accuracy"], summary["eval"]["after"]["accuracy"]
     assert set(before) == set(after) == set(DOMAINS), (before, after)
     drawn = {d["domain"]: (d["drawn"], d["weight"]) for d in summary.get("sampling", {}).get("domains", [])}
-    return {"before": before, "after": after, "drawn": drawn}
+    beyond = {phase: summary["eval"][phase].get("accuracy_beyond_majority", {}) for phase in ("before", "after")}
+    return {"before": before, "after": after, "drawn": drawn, "beyond": beyond}
 
 
 def _mean(d: dict) -> float:
@@ -151,6 +186,9 @@ def compare(tmp_path: Path, baseline: str, other: str, title: str, goal: str) ->
             print(f"  seed {seed} {mode:8s}: mean {_mean(r['before']):.3f} -> {_mean(r['after']):.3f}; "
                   + ", ".join(f"{d.removeprefix('rg.')} {r['before'][d]:.2f}->{r['after'][d]:.2f}" for d in DOMAINS)
                   + f"; worst {worst.removeprefix('rg.')} {change[worst]:+.3f}")
+            if all(r["beyond"].values()):
+                print(f"      beyond each family's most common answer: mean {_mean(r['beyond']['before']):.3f} -> "
+                      f"{_mean(r['beyond']['after']):.3f}")
             if r["drawn"]:
                 print("      drawn (final weight): " + ", ".join(
                     f"{d.removeprefix('rg.')} {n} ({w:.2f})" for d, (n, w) in r["drawn"].items()))
@@ -159,14 +197,30 @@ def compare(tmp_path: Path, baseline: str, other: str, title: str, goal: str) ->
         print(f"  seed {seed}: {other} / {baseline} mean held-out after: {ratio:.2f}{goal}")
 
 
+@pytest.mark.bench
 @pytest.mark.timeout(4 * 3600)
 def test_adaptive_vs_uniform_mixing_on_six_domains(tmp_path):
     compare(tmp_path, "uniform", "adaptive", f"adaptive ({SIGNAL}) vs uniform mixing", " (goal >= 1.2)")
 
 
+@pytest.mark.bench
 @pytest.mark.timeout(4 * 3600)
 def test_per_group_adapters_vs_one_shared_adapter_on_six_domains(tmp_path):
     """Parameter isolation: LoRA adapters split by family group vs one LoRA adapter all six domains share, the
     same rank, targets, learning rate (TEMPER_SCHED_BENCH_LORA_LR) and uniform mixing, so the same prompts are
     drawn on both sides of a seed; only which adapter a group trains differs."""
     compare(tmp_path, "shared", "split", f"per-group LoRA adapters vs one shared adapter (rank 8, lr {LORA_LR})", "")
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+@pytest.mark.parametrize("mode", ["uniform", "adaptive", "shared", "split"])
+def test_every_job_the_bench_runs_is_one_the_scheduler_accepts(mix, mode):
+    """Not a benchmark: each mode's job over each mix passes the job's validation, as ``temper run`` would check
+    it (the shipped job's tables for a family the mix leaves out are dropped: a job refuses options for a domain
+    it neither trains nor evaluates, which broke every mode once the shipped job configured rg.lcm)."""
+    text = job_text(mode, seed=0, domains=MIXES[mix])
+    spec = job_spec(tomllib.loads(text)["job"], SMOLLM2_JOB)
+    assert spec.domains == MIXES[mix] and set(spec.domain_config) <= set(MIXES[mix])
+    assert bool(spec.sampling_config.adaptive) == (mode == "adaptive")
+    assert (set(spec.adapters) == set(adapter_groups(MIXES[mix])[mode]) if mode in ("shared", "split")
+            else not spec.adapters)
