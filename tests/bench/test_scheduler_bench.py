@@ -102,7 +102,6 @@ def adapter_groups(domains: list[str]) -> dict[str, dict[str, list[str]]]:
                       "words": [d for d in domains if d in WORD_FAMILIES]}}
 
 
-ADAPTER_GROUPS = adapter_groups(DOMAINS)
 LORA_LR = os.environ.get("TEMPER_SCHED_BENCH_LORA_LR", "2e-4")
 # KL to the frozen initial policy on both sides (the smollm2 job has none): does it keep a seed's policy from
 # collapsing onto one answer? Unset: the job as shipped
@@ -131,7 +130,7 @@ def only_domain_configs(text: str, domains: list[str]) -> str:
 
 def job_text(mode: str, seed: int, domains: list[str] | None = None) -> str:
     """The smollm2 job over the six domains (``domains``, default the mix's) for ``mode``: "uniform" /
-    "adaptive" mixing (full fine-tuning), or an ADAPTER_GROUPS key (uniform mixing, LoRA adapters as that key
+    "adaptive" mixing (full fine-tuning), or an ``adapter_groups`` key (uniform mixing, LoRA adapters as that key
     groups the domains)."""
     domains = domains or DOMAINS
     values = {("job", "steps"): str(STEPS), ("job", "seed"): str(seed), ("job", "domains"): json.dumps(domains),
