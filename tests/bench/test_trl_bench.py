@@ -143,6 +143,19 @@ def training_tasks(spec, eval_sets, steps: int) -> list:
     return out
 
 
+def repeat_counts(tasks) -> dict:
+    """Per domain, the training prompts drawn and how many of them repeat an earlier one (as the scheduler's
+    ``repeated_prompts`` counts them): a domain whose few problems a side trains on again and again."""
+    out: dict[str, dict[str, int]] = {}
+    seen: set[str] = set()
+    for t in tasks:
+        d = out.setdefault(t.domain, {"drawn": 0, "repeated": 0})
+        d["drawn"] += 1
+        d["repeated"] += t.prompt in seen
+        seen.add(t.prompt)
+    return out
+
+
 def _mean(xs) -> float:
     xs = list(xs)
     return sum(xs) / len(xs) if xs else 0.0
@@ -185,6 +198,7 @@ def trl_side(tmp: Path, seed: int) -> dict:
     result = json.loads((tmp / "trl-result.json").read_text())
     result["total_seconds"] = time.monotonic() - t0
     result["eval_problems_per_domain"] = spec.eval.size
+    result["training_prompts"] = repeat_counts(train[:result["steps"] * spec.prompts_per_step])
     # one evaluator for both sides: the base model and TRL's trained weights scored as Temper's side is; the
     # weights go into a folder with the base folder's config and tokenizer (this venv's transformers reads
     # those), as the learner exports a policy
@@ -349,6 +363,7 @@ def temper_side(tmp: Path, seed: int, lag: int) -> dict:
         "eval": {"before": ev(before), "after": ev(after),
                  "gain": {d: after.accuracy[d] - before.accuracy[d] for d in before.accuracy}},
         "eval_problems_per_domain": spec.eval.size, "total_seconds": time.monotonic() - t0,
+        "training_prompts": {d.domain: {"drawn": d.drawn, "repeated": d.repeated_prompts} for d in status.domains},
     }
 
 
@@ -359,7 +374,12 @@ def _save(name: str, result: dict) -> None:
     print(f"\n{name}: held-out {_mean(acc['before']['accuracy'].values()):.3f} -> "
           f"{_mean(acc['after']['accuracy'].values()):.3f} in {result['steps']} steps, "
           f"{result['train_seconds']:.0f}s, {result['generated_tokens_per_s']:.1f} generated tok/s; "
-          f"{_part(name)}")
+          f"training prompts repeated: {_repeats(result)}; {_part(name)}")
+
+
+def _repeats(result: dict) -> str:
+    counts = result.get("training_prompts", {})
+    return ", ".join(f"{d} {c['repeated']}/{c['drawn']}" for d, c in sorted(counts.items())) or "not recorded"
 
 
 def _check(result: dict) -> None:

@@ -171,6 +171,57 @@ def test_state_round_trips():
     assert not q.keep_prompt("toy.copy", "copy 1 2 3")
 
 
+def test_repeated_prompts_are_counted_per_domain_remembered_and_round_trip(monkeypatch):
+    from temper.scheduler import sampling
+
+    p = policy(["toy.copy", "toy.next"])
+    assert [p.note_drawn("toy.copy", x) for x in ("copy 1 2 3", "copy 4 5 6", "copy 1 2 3", "copy 1 2 3")] == \
+        [False, False, True, True]
+    assert not p.note_drawn("toy.next", "next 1 2 3")
+    assert p.note_drawn("toy.next", "copy 4 5 6")  # a prompt is a prompt, whichever domain drew it first
+    assert p.stats["toy.copy"].repeated_prompts == 2 and p.stats["toy.next"].repeated_prompts == 1
+    view = {d["domain"]: d for d in p.domain_view()}
+    assert view["toy.copy"]["repeated_prompts"] == 2
+    q = policy(["toy.copy", "toy.next"])
+    q.load_state(json.loads(json.dumps(p.state())))
+    assert q.domain_view() == p.domain_view()
+    assert q.note_drawn("toy.next", "next 1 2 3") and not q.note_drawn("toy.next", "next 7 7 7")
+    # the memory keeps the most recently drawn prompts: the least recent is forgotten first
+    monkeypatch.setattr(sampling, "DRAWN_MEMORY", 2)
+    r = policy(["toy.copy"])
+    for x in ("copy 1 1 1", "copy 2 2 2", "copy 1 1 1", "copy 3 3 3"):  # 2 2 2 is now the least recent
+        r.note_drawn("toy.copy", x)
+    assert r.note_drawn("toy.copy", "copy 1 1 1") and not r.note_drawn("toy.copy", "copy 2 2 2")
+
+
+@pytest.mark.parametrize("drawn", ["not base64!", "AAAA", 7])
+def test_a_saved_state_with_bad_drawn_prompts_is_refused_naming_the_field(drawn):
+    with pytest.raises(InvalidArgument) as e:
+        policy(["toy.copy"]).load_state({"drawn": drawn})
+    assert e.value.field == "state.drawn"
+
+
+def test_a_job_counts_the_training_prompts_it_draws_again_and_warns_once(monkeypatch):
+    from structlog.testing import capture_logs
+
+    from temper.scheduler import core
+
+    monkeypatch.setattr(core, "REPEAT_WARN_MIN_DRAWS", 8)
+    monkeypatch.setattr(core, "REPEAT_WARN_SHARE", 0.01)  # the first repeat after 8 draws
+    # one-digit products of two terms: 100 distinct problems, so 40 draws repeat some
+    spec = JobSpec(job_id="rep", steps=5, prompts_per_step=8, group_size=2, domains=["rg.products"],
+                   domain_config={"rg.products": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}})
+    job, published = scripted_job(spec, lambda task, k: k == 0)
+    with capture_logs() as logs:
+        for step in range(5):
+            job.run_step(step)
+    distinct = len({g.task.prompt for g in published})
+    (d,) = job.status().domains
+    assert d.drawn == len(published) == 40 and d.repeated_prompts == 40 - distinct > 0
+    warned = [e for e in logs if e["event"] == "training prompts repeat"]
+    assert len(warned) == 1 and warned[0]["domain"] == "rg.products" and warned[0]["drawn"] >= 8
+
+
 @pytest.mark.parametrize("sampling, field", [
     ({"weights": {"toy.copy": -1.0}}, "sampling.weights[toy.copy]"),
     ({"weights": {"toy.copy": 0.0}}, "sampling.weights[toy.copy]"),

@@ -124,3 +124,21 @@ def test_rm_confidence_with_a_real_reward_model_in_the_loop(tmp_path):
     assert by["toy.next"]["loss_weight"] / by["toy.copy"]["loss_weight"] == pytest.approx(factor, rel=1e-3)
     samples = [s for step in summary["samples"].values() for s in step if s["domain"] == "toy.next"]
     assert samples and all("rm" in s["components"] and s["reward"] == s["components"]["rm"] for s in samples)
+
+
+def test_a_domain_with_few_distinct_prompts_shows_its_repeats_and_is_warned_of(tmp_path):
+    """A user dataset of four rows drawn 160 times: every draw after a row's first repeats it. The job's summary
+    counts them per domain, and the scheduler warns that the domain is being memorised."""
+    rows = [{"q": f"copy {a} {a} {a}", "a": str(a)} for a in (1, 2, 3, 4)]
+    (tmp_path / "four.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tables = ('\n[job.domain_config."data.four"]\npath = "four.jsonl"\nprompt_field = "q"\nanswer_field = "a"\n'
+              'verifier = "exact_answer"\n')
+    summary = run_job(tmp_path, "", '["data.four", "toy.copy"]', tables)
+    by = {d["domain"]: d for d in summary["sampling"]["domains"]}
+    four, copy = by["data.four"], by["toy.copy"]
+    assert four["drawn"] + copy["drawn"] == STEPS * 16 and four["drawn"] > 8
+    assert four["drawn"] - 4 <= four["repeated_prompts"] < four["drawn"]  # at most four first draws
+    assert copy["repeated_prompts"] < copy["drawn"] / 4  # a thousand distinct prompts: few repeats
+    log = (tmp_path / "home" / "logs" / "scheduler.log").read_text()
+    warned = [json.loads(line) for line in log.splitlines() if '"training prompts repeat"' in line]
+    assert [w["domain"] for w in warned] == ["data.four"], warned

@@ -275,6 +275,9 @@ class JobJournal(Protocol):
 ACTIVE = (scheduler_pb2.JOB_STATE_RUNNING, scheduler_pb2.JOB_STATE_PAUSED)  # the states a restarted scheduler resumes
 COUNTERS = ("steps_done", "groups_published", "draws_skipped", "groups_scored", "zero_variance_dropped",
             "refill_groups", "unfilled_groups")
+# a domain is warned of once at least this share of its (at least this many) training draws repeat earlier prompts
+REPEAT_WARN_SHARE = 0.5
+REPEAT_WARN_MIN_DRAWS = 32
 
 
 class _Stopped(Exception):
@@ -338,6 +341,7 @@ class Job:
         self._resume = threading.Event()  # clear while paused: the loop holds before its next step
         self._resume.set()
         self._rng = random.Random(spec.seed)
+        self._repeat_warned: set[str] = set()  # domains warned of repeating prompts
         self._thread = threading.Thread(target=self._run, name=f"job-{spec.job_id}", daemon=True)
         self._tracer = tracer("temper.scheduler")
 
@@ -534,10 +538,23 @@ class Job:
                 self.draws_skipped += skipped
                 if self.sampling.keep_prompt(domain, task.prompt):
                     break
+            if self.sampling.note_drawn(domain, task.prompt):
+                self._warn_repeats(domain)
         task.metadata[DIFFICULTY_KEY] = str(level)
         if spec.response_prefix:
             task.metadata["response_prefix"] = spec.response_prefix
         return task
+
+    def _warn_repeats(self, domain: str) -> None:
+        """Warn once per domain (per process) when most of its training draws repeat earlier prompts."""
+        s = self.sampling.stats[domain]
+        if (domain not in self._repeat_warned and s.drawn >= REPEAT_WARN_MIN_DRAWS
+                and s.repeated_prompts >= REPEAT_WARN_SHARE * s.drawn):
+            self._repeat_warned.add(domain)
+            _log.warning("training prompts repeat", job_id=self.spec.job_id, domain=domain, drawn=s.drawn,
+                         repeated=s.repeated_prompts,
+                         hint="the domain has few distinct problems for this job: training memorises them and its "
+                              "held-out accuracy stops following its reward (widen it in domain_config)")
 
     def _groups(self, step: int, first: int, step_tasks: list[common_pb2.Task], seed: int
                 ) -> list[common_pb2.RolloutGroup]:

@@ -36,12 +36,16 @@ The ``[job.sampling]`` table turns policies on; they combine into one draw proba
   ``max_refill_ratio * prompts_per_step`` extra draws per step (then the step is filled with what it has:
   ``unfilled_groups``, so a job never stalls on a domain it cannot yet solve).
 
-A trajectory passes when its reward is >= ``pass_threshold``. ``SamplingPolicy.state()`` is the whole
-learned state as plain data and ``SamplingPolicy.load_state`` restores it.
+A trajectory passes when its reward is >= ``pass_threshold``. Every training draw is also checked against
+the prompts the job drew before (``note_drawn``; the last ``DRAWN_MEMORY`` distinct ones): a domain's
+``repeated_prompts`` counts the draws that repeat one, so a domain whose few distinct problems the job is
+memorising shows it. ``SamplingPolicy.state()`` is the whole learned state as plain data and
+``SamplingPolicy.load_state`` restores it.
 """
 
 from __future__ import annotations
 
+import base64
 import functools
 import json
 import math
@@ -59,6 +63,8 @@ from temper.v1 import common_pb2
 
 MAX_WINDOW = 100_000
 PROMPT_MEMORY = 100_000  # prompts whose pass rate the difficulty filter remembers (least recently seen forgotten)
+DRAWN_MEMORY = 100_000  # distinct training prompts remembered for ``repeated_prompts`` (least recently drawn forgotten)
+DRAWN_KEY_BYTES = 8  # of each prompt's digest: a false repeat among 100,000 prompts has odds ~3e-10
 ADAPTIVE_SIGNALS = ("progress", "learnability")
 
 
@@ -303,6 +309,7 @@ class DomainStats:
     reward_sum: float = 0.0
     zero_variance_groups: int = 0
     filtered_prompts: int = 0  # draws the difficulty filter refused (redrawn)
+    repeated_prompts: int = 0  # training draws whose prompt the job had drawn before
     level: int = 0
     level_changes: int = 0
     recent_pass: deque = field(default_factory=deque)  # per group: fraction passed
@@ -331,6 +338,7 @@ class SamplingPolicy:
             for d, ladder in self.ladders.items():
                 self.stats[d].level = min(config.curriculum.start_level, len(ladder) - 1)
         self._prompts: OrderedDict[str, list[int]] = OrderedDict()  # prompt key -> [groups, passes, trajectories]
+        self._drawn: OrderedDict[bytes, None] = OrderedDict()  # the distinct training prompts drawn, least recent first
         self._probabilities: list[float] | None = None
 
     # --- drawing -------------------------------------------------------------------------------------
@@ -397,6 +405,20 @@ class SamplingPolicy:
             return True
         self.stats[domain].filtered_prompts += 1
         return False
+
+    def note_drawn(self, domain: str, prompt: str) -> bool:
+        """Record a training draw of ``prompt`` (after any redraws); True, and counted in the domain's
+        ``repeated_prompts``, when the job had drawn it before."""
+        key = prompt_key(prompt)[:DRAWN_KEY_BYTES]
+        repeated = key in self._drawn
+        if repeated:
+            self._drawn.move_to_end(key)
+            self.stats[domain].repeated_prompts += 1
+        else:
+            self._drawn[key] = None
+            while len(self._drawn) > DRAWN_MEMORY:
+                self._drawn.popitem(last=False)
+        return repeated
 
     def loss_weight(self, domain: str) -> float:
         """The multi-task loss weight of a group of ``domain``: its fixed weight times
@@ -531,6 +553,7 @@ class SamplingPolicy:
                         "max_difficulty": len(self.ladders[d]) - 1 if d in self.ladders else 0,
                         "difficulty_options": self.options(d) or {}, "level_changes": s.level_changes,
                         "zero_variance_groups": s.zero_variance_groups, "filtered_prompts": s.filtered_prompts,
+                        "repeated_prompts": s.repeated_prompts,
                         "learning_progress": -1.0 if lp is None else lp, "loss_weight": self.loss_weight(d),
                         "rm_confidence": -1.0 if self.rm_confidence(d) is None else self.rm_confidence(d)})
         return out
@@ -542,7 +565,10 @@ class SamplingPolicy:
                                 "recent_spread": list(s.recent_spread),
                                 "recent_rm_confidence": list(s.recent_rm_confidence)}
                             for d, s in self.stats.items()},
-                "prompts": [[k, *v] for k, v in self._prompts.items()]}
+                "prompts": [[k, *v] for k, v in self._prompts.items()],
+                # the drawn prompts' digests, least recently drawn first, as one base64 string (compact: a checkpoint
+                # is written every step)
+                "drawn": base64.b64encode(b"".join(self._drawn)).decode()}
 
     def load_state(self, state: dict) -> None:
         for d, saved in state.get("domains", {}).items():
@@ -558,6 +584,14 @@ class SamplingPolicy:
             if d in self.ladders:
                 s.level = min(max(s.level, 0), len(self.ladders[d]) - 1)
         self._prompts = OrderedDict((k, [g, p, t]) for k, g, p, t in state.get("prompts", []))
+        try:
+            drawn = base64.b64decode(state.get("drawn", ""), validate=True)
+        except (ValueError, TypeError) as e:  # binascii.Error is a ValueError
+            raise InvalidArgument(f"saved drawn prompts are not base64: {e}", field="state.drawn") from None
+        if len(drawn) % DRAWN_KEY_BYTES:
+            raise InvalidArgument(f"saved drawn prompts are {len(drawn)} bytes, not a multiple of {DRAWN_KEY_BYTES}",
+                                  field="state.drawn")
+        self._drawn = OrderedDict((drawn[i:i + DRAWN_KEY_BYTES], None) for i in range(0, len(drawn), DRAWN_KEY_BYTES))
         self._probabilities = None
 
 
