@@ -39,9 +39,9 @@ lagging = 1.0
 
 
 def run_job(tmp_path, sampling: str, domains: str = '["toy.copy", "toy.next", "rg.chain_sum"]',
-            tables: str = "") -> dict:
+            tables: str = "", stdout: list | None = None) -> dict:
     """`temper run` of the toy job over ``domains`` with ``sampling`` tables (and other ``tables`` appended to the
-    file); its summary.json."""
+    file); its summary.json (its output appended to ``stdout``)."""
     text = jobs.path("toy").read_text()
     for old, new in (("steps = 150", f"steps = {STEPS}"), ('domains = ["toy.copy", "toy.next"]', f"domains = {domains}"),
                      ("size = 100", "size = 0"), ("\n[job.eval]\n", "\n" + sampling + "[job.eval]\n")):  # the table
@@ -54,6 +54,8 @@ def run_job(tmp_path, sampling: str, domains: str = '["toy.copy", "toy.next", "r
                            "--config", str(config), "run", "--runs", str(tmp_path / "runs")],
                           capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if stdout is not None:
+        stdout.append(proc.stdout)
     return json.loads((tmp_path / "runs" / "latest" / "summary.json").read_text())
 
 
@@ -133,7 +135,8 @@ def test_a_domain_with_few_distinct_prompts_shows_its_repeats_and_is_warned_of(t
     (tmp_path / "four.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     tables = ('\n[job.domain_config."data.four"]\npath = "four.jsonl"\nprompt_field = "q"\nanswer_field = "a"\n'
               'verifier = "exact_answer"\n')
-    summary = run_job(tmp_path, "", '["data.four", "toy.copy"]', tables)
+    out: list[str] = []
+    summary = run_job(tmp_path, "", '["data.four", "toy.copy"]', tables, out)
     by = {d["domain"]: d for d in summary["sampling"]["domains"]}
     four, copy = by["data.four"], by["toy.copy"]
     assert four["drawn"] + copy["drawn"] == STEPS * 16 and four["drawn"] > 8
@@ -142,3 +145,6 @@ def test_a_domain_with_few_distinct_prompts_shows_its_repeats_and_is_warned_of(t
     log = (tmp_path / "home" / "logs" / "scheduler.log").read_text()
     warned = [json.loads(line) for line in log.splitlines() if '"training prompts repeat"' in line]
     assert [w["domain"] for w in warned] == ["data.four"], warned
+    # and `temper run` says so at the end, naming that domain alone
+    (line,) = [x for x in out[0].splitlines() if x.startswith("training prompts repeated")]
+    assert f"data.four {four['repeated_prompts']}/{four['drawn']}" in line and "toy.copy" not in line

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from temper.client.sdk import MonitorClient, SchedulerClient
 from temper.runtime import kafka
 from temper.runtime.launcher import State
-from temper.scheduler.core import JobSpec
+from temper.scheduler.core import REPEAT_WARN_MIN_DRAWS, REPEAT_WARN_SHARE, JobSpec
 from temper.v1 import common_pb2, scheduler_pb2
 
 
@@ -257,6 +257,13 @@ def sampling_summary(status: scheduler_pb2.JobStatus) -> dict:
     return {"groups_scored": status.groups_scored, "zero_variance_groups_dropped": status.zero_variance_groups_dropped,
             "refill_groups": status.refill_groups, "unfilled_groups": status.unfilled_groups,
             "domains": [{f.name: getattr(d, f.name) for f in d.DESCRIPTOR.fields} for d in status.domains]}
+
+
+def repeated_domains(sampling: dict) -> list[dict]:
+    """The domains of a summary's ``sampling`` table whose training draws repeated earlier prompts as often as the
+    scheduler warns of (``REPEAT_WARN_SHARE`` of at least ``REPEAT_WARN_MIN_DRAWS`` draws)."""
+    return [d for d in sampling.get("domains", []) if d.get("drawn", 0) >= REPEAT_WARN_MIN_DRAWS
+            and d.get("repeated_prompts", 0) >= REPEAT_WARN_SHARE * d["drawn"]]
 
 
 def write_report(out_dir: Path, spec: JobSpec, config: dict, steps: list[common_pb2.StepMetrics],

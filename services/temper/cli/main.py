@@ -212,7 +212,7 @@ def cmd_config_show(args) -> int:
 def cmd_run(args) -> int:
     import uuid
 
-    from temper.cli.job import JobTimedOut, end_job, follow_job, write_report
+    from temper.cli.job import JobTimedOut, end_job, follow_job, repeated_domains, write_report
     from temper.client.sdk import LearnerClient
 
     plan = _plan(args)  # every check of the run, before anything starts (the same for --dry-run)
@@ -270,6 +270,10 @@ def cmd_run(args) -> int:
             print("  beyond the most common answer: " + "  ".join(
                 f"{d} {ev['before']['accuracy_beyond_majority'][d]:.2f} -> {ev['after']['accuracy_beyond_majority'][d]:.2f}"
                 f" ({ev['majority_share'][d]:.0%} of problems share one answer)" for d in beyond))
+    if memorised := repeated_domains(summary.get("sampling", {})):
+        print("training prompts repeated (draws that repeat an earlier prompt; held-out accuracy stops following "
+              "the reward of a domain the job memorises): " + "  ".join(
+                  f"{d['domain']} {d['repeated_prompts']}/{d['drawn']}" for d in memorised))
     if followed.paused:
         print(f"the monitor paused the job after {len(steps)} of {spec.steps} steps: {followed.status.pause_reason}")
         return 3
