@@ -129,8 +129,9 @@ def test_rm_confidence_with_a_real_reward_model_in_the_loop(tmp_path):
 
 
 def test_a_domain_with_few_distinct_prompts_shows_its_repeats_and_is_warned_of(tmp_path):
-    """A user dataset of four rows drawn 160 times: every draw after a row's first repeats it. The job's summary
-    counts them per domain, and the scheduler warns that the domain is being memorised."""
+    """A user dataset of four rows, drawn in about half of the job's 160 draws: every draw after a row's first
+    repeats it. The job's summary counts them per domain, and the scheduler warns that the domain is being
+    memorised."""
     rows = [{"q": f"copy {a} {a} {a}", "a": str(a)} for a in (1, 2, 3, 4)]
     (tmp_path / "four.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     tables = ('\n[job.domain_config."data.four"]\npath = "four.jsonl"\nprompt_field = "q"\nanswer_field = "a"\n'

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from temper.client.sdk import MonitorClient, SchedulerClient
 from temper.runtime import kafka
 from temper.runtime.launcher import State
-from temper.scheduler.core import REPEAT_WARN_MIN_DRAWS, REPEAT_WARN_SHARE, JobSpec
+from temper.scheduler.core import JobSpec, repeats_warned
 from temper.v1 import common_pb2, scheduler_pb2
 
 
@@ -261,9 +261,8 @@ def sampling_summary(status: scheduler_pb2.JobStatus) -> dict:
 
 def repeated_domains(sampling: dict) -> list[dict]:
     """The domains of a summary's ``sampling`` table whose training draws repeated earlier prompts as often as the
-    scheduler warns of (``REPEAT_WARN_SHARE`` of at least ``REPEAT_WARN_MIN_DRAWS`` draws)."""
-    return [d for d in sampling.get("domains", []) if d.get("drawn", 0) >= REPEAT_WARN_MIN_DRAWS
-            and d.get("repeated_prompts", 0) >= REPEAT_WARN_SHARE * d["drawn"]]
+    scheduler warns of (``temper.scheduler.core.repeats_warned``)."""
+    return [d for d in sampling.get("domains", []) if repeats_warned(d.get("drawn", 0), d.get("repeated_prompts", 0))]
 
 
 def write_report(out_dir: Path, spec: JobSpec, config: dict, steps: list[common_pb2.StepMetrics],

@@ -280,6 +280,11 @@ REPEAT_WARN_SHARE = 0.5
 REPEAT_WARN_MIN_DRAWS = 32
 
 
+def repeats_warned(drawn: int, repeated: int) -> bool:
+    """Whether a domain's training draws repeat earlier prompts as often as the scheduler warns of."""
+    return drawn >= REPEAT_WARN_MIN_DRAWS and repeated >= REPEAT_WARN_SHARE * drawn
+
+
 class _Stopped(Exception):
     """The job was stopped (or its process is shutting down) while it waited for a dependency."""
 
@@ -548,8 +553,7 @@ class Job:
     def _warn_repeats(self, domain: str) -> None:
         """Warn once per domain (per process) when most of its training draws repeat earlier prompts."""
         s = self.sampling.stats[domain]
-        if (domain not in self._repeat_warned and s.drawn >= REPEAT_WARN_MIN_DRAWS
-                and s.repeated_prompts >= REPEAT_WARN_SHARE * s.drawn):
+        if domain not in self._repeat_warned and repeats_warned(s.drawn, s.repeated_prompts):
             self._repeat_warned.add(domain)
             _log.warning("training prompts repeat", job_id=self.spec.job_id, domain=domain, drawn=s.drawn,
                          repeated=s.repeated_prompts,
